@@ -1,0 +1,8 @@
+"""eagle3-jax: lossless EAGLE-3 speculative decoding of Qwen3 targets in JAX."""
+
+from eagle3_jax.checkpoint import Target, convert, load_target
+from eagle3_jax.config import Qwen3Config
+from eagle3_jax.engine import Engine, Result
+from eagle3_jax.errors import CheckpointError
+
+__all__ = ["CheckpointError", "Engine", "Qwen3Config", "Result", "Target", "convert", "load_target"]

@@ -1,0 +1,142 @@
+"""Loading a Qwen3 target: a Hugging Face safetensors folder or our orbax conversion of one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax import safetensors_io, target
+from eagle3_jax.config import Qwen3Config, read_json
+from eagle3_jax.errors import CheckpointError
+
+ORBAX_MARKER = "eagle3_jax.json"  # present in folders written by `convert`
+_FORMAT_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                    "special_tokens_map.json", "generation_config.json")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target: its config, its parameters on the device, and the folder it came from."""
+
+    config: Qwen3Config
+    params: dict
+    folder: Path
+
+
+def _hf_layer_keys(i: int) -> dict[str, tuple[str, ...]]:
+    """Our per-layer name -> the transformers tensors it is made of (concatenated along the output)."""
+    p = f"model.layers.{i}."
+    return {
+        "attn_norm": (p + "input_layernorm.weight",),
+        "wqkv": tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+        "q_norm": (p + "self_attn.q_norm.weight",),
+        "k_norm": (p + "self_attn.k_norm.weight",),
+        "wo": (p + "self_attn.o_proj.weight",),
+        "mlp_norm": (p + "post_attention_layernorm.weight",),
+        "w_gate_up": (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        "w_down": (p + "mlp.down_proj.weight",),
+    }
+
+
+def _hf_expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    per_layer = {
+        "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+        "self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
+        "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
+        "self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,),
+        "mlp.gate_proj.weight": (I, D), "mlp.up_proj.weight": (I, D), "mlp.down_proj.weight": (D, I),
+    }
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
+def _check_dtype(dtype: str) -> jnp.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return jnp.dtype(dtype)
+
+
+def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True) -> Target:
+    """Loads a Qwen3 target from a Hugging Face folder or an orbax folder written by `convert`."""
+    folder = Path(path)
+    jdtype = _check_dtype(dtype)
+    cfg = Qwen3Config.from_file(folder / "config.json")
+    if (folder / ORBAX_MARKER).exists():
+        return Target(cfg, _load_orbax(folder, cfg, jdtype), folder)
+    files = safetensors_io.weight_map(folder)
+    safetensors_io.check_tensors(folder, files, _hf_expected_shapes(cfg))
+    loaded: dict[str, jax.Array] = {}
+
+    def put(name: str, array: np.ndarray) -> None:
+        # Cast on the host only when the file's dtype differs (bf16 stays bf16, no float32 detour).
+        loaded[name] = jax.device_put(array if array.dtype == jdtype else array.astype(jdtype))
+
+    safetensors_io.read_tensors(files, list(_hf_expected_shapes(cfg)), put, progress)
+    return Target(cfg, _assemble(cfg, loaded), folder)
+
+
+def _assemble(cfg: Qwen3Config, loaded: dict[str, jax.Array]) -> dict:
+    """Builds our pytree from transformers' tensors, fusing qkv and gate/up on the device."""
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for ours, theirs in _hf_layer_keys(i).items():
+            parts = [loaded.pop(name) for name in theirs]
+            layer[ours] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        layers.append(layer)
+    params = {
+        "embed": loaded.pop("model.embed_tokens.weight"),
+        "final_norm": loaded.pop("model.norm.weight"),
+        "layers": tuple(layers),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = loaded.pop("lm_head.weight")
+    return params
+
+
+def _load_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict:
+    import orbax.checkpoint as ocp
+
+    marker = read_json(folder / ORBAX_MARKER)
+    if marker.get("format_version") != _FORMAT_VERSION:
+        raise CheckpointError(f"{folder / ORBAX_MARKER}: unknown format_version {marker.get('format_version')!r}")
+    stored = jnp.dtype(marker.get("dtype", "bfloat16"))
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore((folder / "params").absolute(), target.abstract_params(cfg, stored))
+    except Exception as e:  # orbax raises many types; all mean the same thing to the user
+        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
+    return params if stored == dtype else jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
+    """Hugging Face folder -> orbax folder (params, config.json, tokenizer files) that loads faster."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst}: destination already exists")
+    tgt = load_target(src, dtype=dtype)
+    import orbax.checkpoint as ocp
+
+    dst.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((dst / "params").absolute(), tgt.params)
+    shutil.copy(src / "config.json", dst / "config.json")
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    (dst / ORBAX_MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, "dtype": dtype, "kind": "target"}))
+    return dst

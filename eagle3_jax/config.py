@@ -1,0 +1,185 @@
+"""Frozen, hashable model configs read from a Hugging Face `config.json`.
+
+Configs are static arguments of the jitted steps, so every field is an int, a float, a bool,
+a string or a tuple of those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from eagle3_jax.errors import CheckpointError
+
+_QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: the inverse frequencies and the cos/sin scale (YaRN's attention factor)."""
+
+    theta: float
+    head_dim: int
+    kind: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def inverse_frequencies(self) -> tuple[float, ...]:
+        """The per-pair inverse frequencies, computed in float64 on the host (as transformers does)."""
+        half = self.head_dim // 2
+        base = [self.theta ** (2 * i / self.head_dim) for i in range(half)]
+        if self.kind == "default":
+            return tuple(1.0 / b for b in base)
+        # YaRN: interpolate the low frequencies, keep the high ones, ramp between.
+        low, high = _yarn_correction_range(self)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        out = []
+        for i, b in enumerate(base):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            extrapolation = 1.0 - ramp
+            out.append((1.0 / (self.factor * b)) * ramp + (1.0 / b) * extrapolation)
+        return tuple(out)
+
+
+def _yarn_correction_range(rope: RopeConfig) -> tuple[float, float]:
+    def correction_dim(num_rotations: float) -> float:
+        ratio = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return rope.head_dim * math.log(ratio) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, rope.head_dim - 1)
+
+
+def parse_rope(raw: dict[str, Any], head_dim: int, max_positions: int, where: str) -> RopeConfig:
+    """Reads rope settings from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
+    transformers 5 (`rope_parameters`) spelling; refuses scaling types we do not implement."""
+    params = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=float(theta), head_dim=head_dim)
+    if kind != "yarn":
+        raise CheckpointError(f"{where}: rope scaling type {kind!r} is not supported (only 'default' and 'yarn')")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
+    factor = float(params["factor"])
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return RopeConfig(
+        theta=float(theta),
+        head_dim=head_dim,
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Shape and numerics of a dense Qwen3 target."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def default_capture_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's low/mid/high features: the residual stream entering these layers."""
+        n = self.num_layers
+        return (2, n // 2, n - 3)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "Qwen3Config":
+        model_type = raw.get("model_type")
+        architectures = tuple(raw.get("architectures") or ())
+        if model_type != "qwen3" or (architectures and not set(architectures) & set(_QWEN3_ARCHITECTURES)):
+            raise CheckpointError(
+                f"{where}: not a dense Qwen3 model (model_type={model_type!r}, architectures={list(architectures)})"
+            )
+        _refuse_unsupported(raw, where)
+        try:
+            heads = int(raw["num_attention_heads"])
+            head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
+            max_positions = int(raw.get("max_position_embeddings", 32768))
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=parse_rope(raw, head_dim, max_positions, where),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                max_position_embeddings=max_positions,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Qwen3Config":
+        return cls.from_dict(read_json(Path(path)), where=str(path))
+
+
+def _refuse_unsupported(raw: dict[str, Any], where: str) -> None:
+    """Flags that change the computation and that we do not implement are refused, never ignored."""
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
+    if raw.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias=true is not supported")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Reads a JSON file, turning every failure into a CheckpointError that names the file."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data

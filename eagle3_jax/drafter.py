@@ -1,0 +1,108 @@
+"""The EAGLE-3 drafter: one Llama-style (or Qwen3-style) layer over [embedding, hidden] inputs.
+
+Parameters (weights [out, in] as transformers stores them):
+    fc [D, C] (C = width of the target features, 3 Ht), hidden_norm, input_norm, mlp_norm, final_norm [D],
+    wqkv [(N + 2K) H, 2D], wo [D, N H], w_gate_up [2I, D], w_down [D, I], lm_head [Vd, D],
+    d2t [Vd] int32 (draft id -> target id offset), optionally embed [Vt, D] (else the target's is used)
+    and q_norm, k_norm [H] (Qwen3-style layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax import kv_cache
+from eagle3_jax.attention import attend
+from eagle3_jax.config import RopeConfig
+from eagle3_jax.layers import apply_rope, gated_mlp, linear, rms_norm, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+    capture_layers: tuple[int, ...]  # residual stream ENTERING these target layers, low to high
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators flag)
+    qk_norm: bool = False  # Qwen3-style layer: RMSNorm on q and k per head before RoPE
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.capture_layers) * self.target_hidden_size
+
+
+def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
+    return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+
+
+def forward(params, cfg: DrafterConfig, embed, hidden_in, tokens, cache: kv_cache.KVCache, attn_impl: str):
+    """One drafter pass over T pairs (hidden_t, token_{t+1}) at positions cache.lengths + t.
+
+    hidden_in is either target features [B, T, C] (they go through fc) or the drafter's own carried
+    hidden [B, T, D] (it does not). Returns the pre-norm output hidden [B, T, D] and the cache with
+    the new K/V written (lengths unchanged: the caller commits).
+    """
+    B, T = tokens.shape
+    N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    h = linear(hidden_in, params["fc"]) if hidden_in.shape[-1] == cfg.feature_width else hidden_in
+    normed_h = rms_norm(h, params["hidden_norm"], eps)
+    residual = normed_h if cfg.norm_before_residual else h
+    # The embedding comes first in the concatenation, then the hidden state.
+    x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["input_norm"], eps), normed_h], axis=-1)
+    q, k, v = jnp.split(linear(x, params["wqkv"]), [N * H, (N + K) * H], axis=-1)
+    q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, params["q_norm"], eps), rms_norm(k, params["k_norm"], eps)
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(positions, cfg.rope, h.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_buf = kv_cache.write(cache.k[0], k, positions)
+    v_buf = kv_cache.write(cache.v[0], v, positions)
+    attn = attend(q, k_buf, v_buf, cache.lengths, attn_impl)
+    h = residual + linear(attn.reshape(B, T, N * H), params["wo"])
+    h = h + gated_mlp(rms_norm(h, params["mlp_norm"], eps), params["w_gate_up"], params["w_down"])
+    return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
+
+
+def draft_logits(params, cfg: DrafterConfig, hidden) -> jax.Array:
+    """Pre-norm hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""
+    normed = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("...d,vd->...v", normed, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def draft_token(params, cfg: DrafterConfig, hidden) -> jax.Array:
+    """Greedy draft: argmax over the draft vocabulary, then d2t maps it to a target id (no scatter)."""
+    draft_id = jnp.argmax(draft_logits(params, cfg, hidden), axis=-1)
+    return (draft_id + params["d2t"][draft_id]).astype(jnp.int32)
+
+
+def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, attn_impl: str):
+    """gamma greedy drafts from the carried hidden [B, D] (the output at the newest committed pair).
+
+    d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
+    lengths + k - 2. A lax.scan, so the argmax never leaves the device. Returns drafts [B, gamma]
+    (target ids) and the cache holding the speculative entries (lengths unchanged: they are
+    discarded by the rebuild after verify).
+    """
+    first = draft_token(params, cfg, hidden)
+
+    def step(carry, k):
+        h, token, buf = carry
+        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), attn_impl)
+        out = out[:, 0]
+        nxt = draft_token(params, cfg, out)
+        return (out, nxt, buf), nxt
+
+    (_, _, cache_out), rest = jax.lax.scan(step, (hidden, first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))
+    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
+    return drafts, cache_out.with_lengths(cache.lengths)

@@ -1,0 +1,139 @@
+"""The host side: validate requests, prefill, then one jitted round after another.
+
+Each round's outputs come back in one small device-to-host transfer (`_fetch`), and the next round is
+dispatched before that transfer is waited on, so the device never idles on the host. Stop checks run on
+the device; a round dispatched after every row is done changes nothing and is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax import attention, spec_round
+from eagle3_jax.checkpoint import Target
+
+_MIN_PREFILL_BUCKET = 16
+_STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str  # "stop" (ended at a stop token, included) or "length"
+    accept_lengths: list[int]  # per speculative round: drafted tokens accepted (0..gamma); empty when spec is off
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """The engine's only device-to-host transfer: one int32 array per round."""
+    return jax.device_get(x)
+
+
+def _unpack(packed: np.ndarray):
+    """The inverse of spec_round._pack: (emitted tokens per row, accepted per row, done per row)."""
+    width = packed.shape[1] - 3
+    num_emit, accepted, done = packed[:, width], packed[:, width + 1], packed[:, width + 2].astype(bool)
+    return [row[:n].tolist() for row, n in zip(packed[:, :width], num_emit)], accepted.tolist(), done
+
+
+class Engine:
+    """Greedy decoding of a Qwen3 target, speculative when an EAGLE-3 drafter is given. Lossless: the
+    output is token for token what plain greedy decoding of the target gives."""
+
+    def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
+                 attn_impl: str | None = None):
+        cfg = target.config
+        if max_len < 2 or max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
+        impl = attn_impl or attention.default_impl()
+        if impl not in attention.IMPLEMENTATIONS:
+            raise ValueError(f"attn_impl must be one of {attention.IMPLEMENTATIONS}, got {impl!r}")
+        if drafter is not None and num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
+        self.target, self.drafter, self.max_len = target, drafter, max_len
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        self._spec = spec_round.StepSpec(
+            target=cfg,
+            drafter=drafter.config if drafter is not None else None,
+            gamma=self.num_draft_tokens,
+            max_len=max_len,
+            attn_impl=impl,
+        )
+        self._prefill = jax.jit(functools.partial(spec_round.prefill, spec=self._spec))
+        self._round = jax.jit(functools.partial(spec_round.spec_round, spec=self._spec), donate_argnums=(2,))
+
+    @property
+    def _draft_params(self):
+        return self.drafter.params if self.drafter is not None else None
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[Result]:
+        """Greedy continuation of each prompt (token ids); see `Result`."""
+        tokens = [[] for _ in prompts]
+        accepts = [[] for _ in prompts]
+        reasons = ["length"] * len(prompts)
+        stops = set(stop_token_ids)
+        for chunk, accepted, done in self._rounds(prompts, max_new_tokens, stop_token_ids):
+            for i, new in enumerate(chunk):
+                tokens[i].extend(new)
+                if accepted[i] is not None:
+                    accepts[i].append(accepted[i])
+                if done[i] and new and new[-1] in stops:
+                    reasons[i] = "stop"
+        return [Result(t, r, a) for t, r, a in zip(tokens, reasons, accepts)]
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
+        """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point."""
+        for chunk, _, _ in self._rounds(prompts, max_new_tokens, stop_token_ids):
+            yield chunk
+
+    def _rounds(self, prompts, max_new_tokens, stop_token_ids):
+        """Yields (new tokens per row, accepted drafts per row or None, done per row) per round."""
+        batch = self._prepare(prompts, max_new_tokens, stop_token_ids)
+        state, packed = self._prefill(self.target.params, self._draft_params, *batch)
+        chunk, _, done = _unpack(_fetch(packed))
+        yield chunk, [None] * len(chunk), done
+        pending = self._round(self.target.params, self._draft_params, state) if not done.all() else None
+        while pending is not None:
+            state, packed = pending
+            # Dispatch the next round before waiting for this one's tokens.
+            following = self._round(self.target.params, self._draft_params, state)
+            was_live = ~done
+            chunk, accepted, done = _unpack(_fetch(packed))
+            spec_on = self.drafter is not None
+            yield chunk, [a if live and spec_on else None for a, live in zip(accepted, was_live)], done
+            pending = following if not done.all() else None
+
+    def _prepare(self, prompts, max_new_tokens, stop_token_ids):
+        """Checks the request on the host and builds the device inputs; raises ValueError before any device work."""
+        vocab = self.target.config.vocab_size
+        if isinstance(prompts, (str, bytes)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_len={self.max_len}")
+            bad = [t for t in p if not (0 <= int(t) < vocab)]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad_stops = [t for t in stop_token_ids if not (0 <= int(t) < vocab)]
+        if bad_stops:
+            raise ValueError(f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
+        B = len(prompts)
+        longest = max(len(p) for p in prompts)
+        bucket = min(max(_MIN_PREFILL_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
+        tokens = np.zeros((B, bucket), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        slots = max(_STOP_SLOTS, -(-len(stop_token_ids) // _STOP_SLOTS) * _STOP_SLOTS)
+        stops = np.full((B, slots), -1, np.int32)
+        stops[:, : len(stop_token_ids)] = list(stop_token_ids)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        return jax.device_put((tokens, lengths, np.full((B,), max_new_tokens, np.int32), stops))

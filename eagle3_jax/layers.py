@@ -1,0 +1,44 @@
+"""The building blocks shared by the target and the drafter: RMSNorm, RoPE, the gated MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.config import RopeConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, rope: RopeConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for integer positions [B, T] -> each [B, T, head_dim], in float32 then cast."""
+    inv_freq = jnp.asarray(np.asarray(rope.inverse_frequencies(), np.float32))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos = jnp.cos(angles) * rope.attention_factor
+    sin = jnp.sin(angles) * rope.attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [B, T, heads, H] by the half-split convention (transformers' rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] times a weight stored as transformers stores it, [out, in]."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SiLU-gated MLP with gate and up fused into one [2I, D] weight (one read of x, one matmul)."""
+    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, w_down)

@@ -1,0 +1,163 @@
+"""Prefill and the speculative round: pure functions over a `DecodeState`, each one jit.
+
+Invariants, per row b:
+  * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
+    is `last_token` and is not in any cache yet;
+  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < n, at positions t, so its length is n
+    too; `draft_hidden` is the drafter's pre-norm output at position n - 1, from which d_1 comes;
+  * a row that is done is frozen: nothing it owns changes any more.
+A round with gamma = 0 and no drafter is a plain greedy decoding step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import target as target_lib
+from eagle3_jax.config import Qwen3Config
+from eagle3_jax.drafter import DrafterConfig
+from eagle3_jax.kv_cache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    last_token: jax.Array  # [B] int32, x_n
+    draft_hidden: jax.Array | None  # [B, D] drafter output at position n - 1
+    num_generated: jax.Array  # [B] int32, tokens emitted so far
+    max_new: jax.Array  # [B] int32, the request's max_new_tokens
+    stop_ids: jax.Array  # [B, P] int32 padded with -1
+    done: jax.Array  # [B] bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about the jitted steps (hashable, so it is a static argument)."""
+
+    target: Qwen3Config
+    drafter: DrafterConfig | None
+    gamma: int
+    max_len: int
+    attn_impl: str
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.drafter.capture_layers if self.drafter else ()
+
+
+def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
+    """How many of new_tokens [B, M] (the first num_new of them) each row emits, and who is done.
+
+    Cuts at the first stop token (included), at max_new_tokens, and at max_len; frozen rows emit 0.
+    """
+    M = new_tokens.shape[1]
+    idx = jnp.arange(M)[None, :]
+    is_stop = jnp.any(new_tokens[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (idx < num_new[:, None])
+    until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, num_new)
+    budget = state.max_new - state.num_generated
+    num_emit = jnp.where(state.done, 0, jnp.minimum(until_stop, budget))
+    hit_stop = jnp.any(is_stop & (idx < num_emit[:, None]), axis=1)
+    # The sequence (prompt + output) is new_length + 1 long: the newest token is not in the cache.
+    full = (num_emit >= budget) | (new_length + 1 >= spec.max_len)
+    done = state.done | hit_stop | full
+    return num_emit, done
+
+
+def _pack(tokens, num_emit, accepted, done) -> jax.Array:
+    """One int32 array per round, so the host needs a single transfer: [tokens..., n, a, done]."""
+    return jnp.concatenate([tokens, num_emit[:, None], accepted[:, None], done[:, None].astype(jnp.int32)], axis=1)
+
+
+def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec: StepSpec):
+    """tokens [B, Tp] right-padded prompts -> (DecodeState, packed first token)."""
+    B, Tp = tokens.shape
+    dtype = tparams["embed"].dtype
+    cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
+    hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.attn_impl)
+    rows = jnp.arange(B)
+    first = jnp.argmax(target_lib.logits(tparams, hidden[rows, prompt_lengths - 1]), axis=-1).astype(jnp.int32)
+    draft_cache = draft_hidden = None
+    if spec.drafter is not None:
+        # Pairs (g_t, x_{t+1}) for t < prompt length: the prompt shifted left, then the first token.
+        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+        nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
+        draft_cache = drafter_lib.new_cache(spec.drafter, B, spec.max_len, dtype)
+        embed = dparams.get("embed", tparams["embed"])
+        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, features, nxt, draft_cache, spec.attn_impl)
+        draft_hidden = out[rows, prompt_lengths - 1]
+        draft_cache = draft_cache.with_lengths(prompt_lengths)
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = DecodeState(
+        target_cache=cache.with_lengths(prompt_lengths),
+        draft_cache=draft_cache,
+        last_token=first,
+        draft_hidden=draft_hidden,
+        num_generated=zeros,
+        max_new=max_new,
+        stop_ids=stop_ids,
+        done=prompt_lengths >= spec.max_len,  # no room for even one token
+    )
+    num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
+    state = dataclasses.replace(state, num_generated=num_emit, done=done)
+    return state, _pack(first[:, None], num_emit, zeros, done)
+
+
+def _accept(drafts, choices, room):
+    """Longest prefix of drafts [B, G] equal to the target's choices [B, G + 1], at most room."""
+    matches = (drafts == choices[:, :-1]).astype(jnp.int32)
+    accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1)
+    return jnp.clip(accepted, 0, jnp.maximum(room, 0))
+
+
+def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
+    """Draft gamma tokens, verify them in one target step, accept greedily, commit by index, rebuild."""
+    n = state.target_cache.lengths
+    B, G = n.shape[0], spec.gamma
+    embed = None
+    if G > 0:
+        embed = dparams.get("embed", tparams["embed"])
+        with jax.named_scope("draft"):
+            drafts, draft_cache = drafter_lib.draft_chain(
+                dparams, spec.drafter, embed, state.draft_hidden, state.draft_cache, G, spec.attn_impl
+            )
+        verify_tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    else:
+        drafts = jnp.zeros((B, 0), jnp.int32)
+        verify_tokens = state.last_token[:, None]
+    with jax.named_scope("verify"):
+        hidden, tcache, features = target_lib.forward(
+            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.attn_impl
+        )
+        choices = jnp.argmax(target_lib.logits(tparams, hidden), axis=-1).astype(jnp.int32)  # [B, G + 1]
+    # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
+    accepted = _accept(drafts, choices, spec.max_len - n - 2)
+    live = ~state.done
+    new_length = jnp.where(live, n + accepted + 1, n)
+    num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
+    rows = jnp.arange(B)
+    new_state = dataclasses.replace(
+        state,
+        target_cache=tcache.with_lengths(new_length),
+        last_token=jnp.where(live, choices[rows, accepted], state.last_token),
+        num_generated=state.num_generated + num_emit,
+        done=done,
+    )
+    if G > 0:
+        with jax.named_scope("rebuild"):
+            # The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted
+            # are the newly committed pairs; the drafter's own speculative entries are overwritten.
+            out, draft_cache = drafter_lib.forward(
+                dparams, spec.drafter, embed, features, choices, draft_cache, spec.attn_impl
+            )
+        new_state = dataclasses.replace(
+            new_state,
+            draft_cache=draft_cache.with_lengths(new_length),
+            draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
+        )
+    return new_state, _pack(choices, num_emit, jnp.where(live, accepted, 0), done)

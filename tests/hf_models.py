@@ -1,0 +1,45 @@
+"""Tiny random Qwen3 checkpoints built with transformers, the target's outside oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+# Between them: head_dim != hidden/heads, GQA ratios 1, 2 and 4, tied and untied embeddings, shards, YaRN.
+CONFIGS = {
+    "gqa2_headdim": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         tie_word_embeddings=False),
+    "mha_tied": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16,
+                     tie_word_embeddings=True),
+    "gqa4_sharded": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                         tie_word_embeddings=False, shard="12KB"),
+    "gqa4_tied_yarn": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                           tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64}),
+}
+
+
+def build_model(name: str = "gqa2_headdim", seed: int = 0, num_layers: int = 8, vocab: int = 160) -> Qwen3ForCausalLM:
+    """A float32 random Qwen3 with weights scaled so that logits are decisive and norms are not all ones."""
+    opts = dict(CONFIGS[name])
+    opts.pop("shard", None)
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, intermediate_size=2 * opts["hidden_size"] + 8, num_hidden_layers=num_layers,
+                      max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6, **opts)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+def save_model(model: Qwen3ForCausalLM, folder: Path, name: str, dtype=torch.float32) -> Path:
+    shard = CONFIGS[name].get("shard")
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.to(dtype).save_pretrained(folder, **kwargs)
+    model.to(torch.float32)
+    return folder

@@ -1,0 +1,102 @@
+"""Spec-off greedy decoding against transformers' generate(do_sample=False), token for token."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import eagle3_jax
+from eagle3_jax import engine as engine_lib
+from hf_models import build_model, save_model
+
+PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def model_and_target(tmp_path_factory):
+    model = build_model("gqa2_headdim", seed=1)
+    folder = save_model(model, tmp_path_factory.mktemp("greedy"), "gqa2_headdim")
+    return model, eagle3_jax.load_target(folder, dtype="float32", progress=False)
+
+
+def hf_greedy(model, prompt, **kwargs):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batch_matches_transformers_generate(model_and_target):
+    model, tgt = model_and_target
+    results = eagle3_jax.Engine(tgt, max_len=128).generate(PROMPTS, max_new_tokens=24)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == hf_greedy(model, prompt, max_new_tokens=24, min_new_tokens=24)
+        assert result.finish_reason == "length" and result.accept_lengths == []
+
+
+def test_stops_at_stop_token_included(model_and_target):
+    model, tgt = model_and_target
+    reference = hf_greedy(model, PROMPTS[0], max_new_tokens=24, min_new_tokens=24)
+    stop = reference[5]
+    cut = reference.index(stop) + 1
+    (result,) = eagle3_jax.Engine(tgt, max_len=128).generate([PROMPTS[0]], 24, stop_token_ids=[stop, 3])
+    assert result.token_ids == hf_greedy(model, PROMPTS[0], max_new_tokens=24, eos_token_id=[stop, 3])
+    assert result.token_ids == reference[:cut] and result.finish_reason == "stop"
+
+
+def test_stops_at_max_len(model_and_target):
+    model, tgt = model_and_target
+    engine = eagle3_jax.Engine(tgt, max_len=20)
+    results = engine.generate(PROMPTS, max_new_tokens=50)
+    for prompt, result in zip(PROMPTS, results):
+        assert len(prompt) + len(result.token_ids) == 20 and result.finish_reason == "length"
+        assert result.token_ids == hf_greedy(model, prompt, max_length=20, min_length=20)
+
+
+def test_prompt_filling_max_len_gives_nothing(model_and_target):
+    _, tgt = model_and_target
+    (result,) = eagle3_jax.Engine(tgt, max_len=17).generate([PROMPTS[2]], max_new_tokens=5)
+    assert result.token_ids == [] and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1, 2], [3, 160]], {}, "token id 160 outside"),
+        ([[1, -1]], {}, "token id -1 outside"),
+        ([list(range(1, 40))], {}, "more than max_len=32"),
+        ([], {}, "non-empty list"),
+        ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([[1]], {"stop_token_ids": [999]}, "stop token id 999"),
+    ],
+)
+def test_bad_requests_raise_before_device_work(model_and_target, monkeypatch, prompts, kwargs, message):
+    _, tgt = model_and_target
+    engine = eagle3_jax.Engine(tgt, max_len=32)
+    monkeypatch.setattr(engine, "_prefill", lambda *a: pytest.fail("device work started"))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, **{"max_new_tokens": 4, **kwargs})
+
+
+def test_step_compiles_once_and_transfers_once_per_round(model_and_target, monkeypatch):
+    _, tgt = model_and_target
+    engine = eagle3_jax.Engine(tgt, max_len=128)
+    fetches = []
+    real_fetch = engine_lib._fetch
+    monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real_fetch(x))
+    with jax.transfer_guard("disallow"):  # any implicit transfer raises
+        first = engine.generate(PROMPTS, max_new_tokens=12)
+        second = engine.generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
+    assert engine._round._cache_size() == 1
+    assert engine._prefill._cache_size() == 2  # one per prompt-length bucket (16 and 32)
+    # prefill + one fetch per round; 12 tokens = prefill + 11 rounds, each call
+    assert len(fetches) == 2 * 12 and all(len(s) == 2 for s in fetches)
+    assert [len(r.token_ids) for r in first + second] == [12] * 6
+
+
+def test_engine_refuses_bad_settings(model_and_target):
+    _, tgt = model_and_target
+    with pytest.raises(ValueError, match="max_len"):
+        eagle3_jax.Engine(tgt, max_len=10_000)
+    with pytest.raises(ValueError, match="attn_impl"):
+        eagle3_jax.Engine(tgt, max_len=64, attn_impl="cuda")
