@@ -9,8 +9,9 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# SpecForge is the drafter's outside oracle; its own dependencies (CUDA builds) are not wanted.
-	$(PY) -m pip install -q --no-deps specforge==0.2.0
+	# SpecForge and speculators are the drafter's outside oracles; their own dependencies (CUDA builds,
+	# training stacks) are not wanted.
+	$(PY) -m pip install -q --no-deps specforge==0.2.0 speculators==0.9.0
 	touch $@
 
 demo: $(STAMP)

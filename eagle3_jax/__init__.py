@@ -2,7 +2,11 @@
 
 from eagle3_jax.checkpoint import Target, convert, load_target
 from eagle3_jax.config import Qwen3Config
+from eagle3_jax.drafter_checkpoint import Drafter, convert_drafter, load_drafter
 from eagle3_jax.engine import Engine, Result
 from eagle3_jax.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Engine", "Qwen3Config", "Result", "Target", "convert", "load_target"]
+__all__ = [
+    "CheckpointError", "Drafter", "Engine", "Qwen3Config", "Result", "Target",
+    "convert", "convert_drafter", "load_drafter", "load_target",
+]

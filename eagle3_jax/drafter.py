@@ -1,10 +1,11 @@
 """The EAGLE-3 drafter: one Llama-style (or Qwen3-style) layer over [embedding, hidden] inputs.
 
 Parameters (weights [out, in] as transformers stores them):
-    fc [D, C] (C = width of the target features, 3 Ht), hidden_norm, input_norm, mlp_norm, final_norm [D],
+    fc [D, C] (C = width of the target features, 3 Ht), hidden_norm, embed_norm, mlp_norm, final_norm [D],
     wqkv [(N + 2K) H, 2D], wo [D, N H], w_gate_up [2I, D], w_down [D, I], lm_head [Vd, D],
-    d2t [Vd] int32 (draft id -> target id offset), optionally embed [Vt, D] (else the target's is used)
-    and q_norm, k_norm [H] (Qwen3-style layer).
+    d2t [Vd] int32 (draft id -> target id offset), and optionally embed [Vt, D] (else the target's is
+    used), q_norm, k_norm [H] (Qwen3-style layer), fc_norms (3 x [Ht], one per feature chunk) or
+    feature_norm [C] (one norm over all features).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class DrafterConfig:
     capture_layers: tuple[int, ...]  # residual stream ENTERING these target layers, low to high
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators flag)
     qk_norm: bool = False  # Qwen3-style layer: RMSNorm on q and k per head before RoPE
+    fc_norm: bool = False  # RMSNorm each captured feature chunk before fc
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
+    norm_output: bool = False  # speculators: carry norm(h), not h, to the next draft step
 
     @property
     def feature_width(self) -> int:
@@ -45,20 +49,19 @@ def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.
     return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def forward(params, cfg: DrafterConfig, embed, hidden_in, tokens, cache: kv_cache.KVCache, attn_impl: str):
-    """One drafter pass over T pairs (hidden_t, token_{t+1}) at positions cache.lengths + t.
+def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, attn_impl: str):
+    """One drafter pass over T pairs (h_t, token_{t+1}) at positions cache.lengths + t.
 
-    hidden_in is either target features [B, T, C] (they go through fc) or the drafter's own carried
-    hidden [B, T, D] (it does not). Returns the pre-norm output hidden [B, T, D] and the cache with
-    the new K/V written (lengths unchanged: the caller commits).
+    h [B, T, D] is either `project_features` of target features or the drafter's own carried hidden.
+    Returns the pre-norm output hidden [B, T, D] and the cache with the new K/V written (lengths
+    unchanged: the caller commits).
     """
     B, T = tokens.shape
     N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    h = linear(hidden_in, params["fc"]) if hidden_in.shape[-1] == cfg.feature_width else hidden_in
     normed_h = rms_norm(h, params["hidden_norm"], eps)
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
-    x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["input_norm"], eps), normed_h], axis=-1)
+    x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["embed_norm"], eps), normed_h], axis=-1)
     q, k, v = jnp.split(linear(x, params["wqkv"]), [N * H, (N + K) * H], axis=-1)
     q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
     if cfg.qk_norm:
@@ -74,6 +77,21 @@ def forward(params, cfg: DrafterConfig, embed, hidden_in, tokens, cache: kv_cach
     return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
 
+def project_features(params, cfg: DrafterConfig, features) -> jax.Array:
+    """Target features [..., C] -> the drafter's hidden width [..., D] through fc (and its norms)."""
+    if cfg.norm_before_fc:
+        features = rms_norm(features, params["feature_norm"], cfg.rms_norm_eps)
+    if cfg.fc_norm:
+        chunks = jnp.split(features, len(cfg.capture_layers), axis=-1)
+        features = jnp.concatenate([rms_norm(c, w, cfg.rms_norm_eps) for c, w in zip(chunks, params["fc_norms"])], -1)
+    return linear(features, params["fc"])
+
+
+def carried(params, cfg: DrafterConfig, hidden) -> jax.Array:
+    """What a draft step hands to the next one: the pre-norm output, or its norm under norm_output."""
+    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps) if cfg.norm_output else hidden
+
+
 def draft_logits(params, cfg: DrafterConfig, hidden) -> jax.Array:
     """Pre-norm hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""
     normed = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
@@ -87,7 +105,7 @@ def draft_token(params, cfg: DrafterConfig, hidden) -> jax.Array:
 
 
 def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, attn_impl: str):
-    """gamma greedy drafts from the carried hidden [B, D] (the output at the newest committed pair).
+    """gamma greedy drafts from hidden [B, D], the pre-norm output at the newest committed pair.
 
     d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
     lengths + k - 2. A lax.scan, so the argmax never leaves the device. Returns drafts [B, gamma]
@@ -101,8 +119,8 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
         out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), attn_impl)
         out = out[:, 0]
         nxt = draft_token(params, cfg, out)
-        return (out, nxt, buf), nxt
+        return (carried(params, cfg, out), nxt, buf), nxt
 
-    (_, _, cache_out), rest = jax.lax.scan(step, (hidden, first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))
+    (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
     return drafts, cache_out.with_lengths(cache.lengths)

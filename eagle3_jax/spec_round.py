@@ -89,7 +89,8 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec
         nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
         draft_cache = drafter_lib.new_cache(spec.drafter, B, spec.max_len, dtype)
         embed = dparams.get("embed", tparams["embed"])
-        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, features, nxt, draft_cache, spec.attn_impl)
+        h = drafter_lib.project_features(dparams, spec.drafter, features)
+        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.attn_impl)
         draft_hidden = out[rows, prompt_lengths - 1]
         draft_cache = draft_cache.with_lengths(prompt_lengths)
     zeros = jnp.zeros((B,), jnp.int32)
@@ -152,9 +153,8 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         with jax.named_scope("rebuild"):
             # The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted
             # are the newly committed pairs; the drafter's own speculative entries are overwritten.
-            out, draft_cache = drafter_lib.forward(
-                dparams, spec.drafter, embed, features, choices, draft_cache, spec.attn_impl
-            )
+            h = drafter_lib.project_features(dparams, spec.drafter, features)
+            out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, choices, draft_cache, spec.attn_impl)
         new_state = dataclasses.replace(
             new_state,
             draft_cache=draft_cache.with_lengths(new_length),

@@ -22,10 +22,13 @@ CONFIGS = {
 }
 
 
-def build_model(name: str = "gqa2_headdim", seed: int = 0, num_layers: int = 8, vocab: int = 160) -> Qwen3ForCausalLM:
+def build_model(name: str = "gqa2_headdim", seed: int = 0, num_layers: int = 8, vocab: int = 160,
+                hidden: int | None = None) -> Qwen3ForCausalLM:
     """A float32 random Qwen3 with weights scaled so that logits are decisive and norms are not all ones."""
     opts = dict(CONFIGS[name])
     opts.pop("shard", None)
+    if hidden is not None:
+        opts["hidden_size"] = hidden
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab, intermediate_size=2 * opts["hidden_size"] + 8, num_hidden_layers=num_layers,
                       max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6, **opts)

@@ -1,0 +1,106 @@
+"""The `eagle3-jax` command: generate, convert, bench."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
+
+
+def _tokenizer(folder: Path):
+    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _generate(args) -> int:
+    import eagle3_jax
+
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
+    tokenizer = _tokenizer(Path(args.target))
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise SystemExit(f"error: {args.target} has no tokenizer; pass --prompt-ids instead of --prompt")
+        prompt = tokenizer(args.prompt)["input_ids"]
+    else:
+        prompt = args.prompt_ids
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len)
+    stops = args.stop_ids or ([tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
+    engine.generate([prompt], max_new_tokens=1, stop_token_ids=stops)  # compile outside the timing
+    start = time.perf_counter()
+    (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else " ".join(map(str, result.token_ids))
+    print(text)
+    print(f"\n{len(result.token_ids)} tokens in {elapsed:.3f} s: {len(result.token_ids) / elapsed:.1f} tokens/s "
+          f"(finish: {result.finish_reason})")
+    if drafter is not None and result.accept_lengths:
+        tau = sum(a + 1 for a in result.accept_lengths) / len(result.accept_lengths)
+        print(f"tau (mean tokens per round) = {tau:.3f} over {len(result.accept_lengths)} rounds")
+        counts = collections.Counter(result.accept_lengths)
+        for a in range(args.num_draft_tokens + 1):
+            print(f"  accepted {a}: {counts.get(a, 0):5d} {'#' * counts.get(a, 0)}")
+    return 0
+
+
+def _convert(args) -> int:
+    import eagle3_jax
+
+    if args.drafter_of:
+        target = eagle3_jax.load_target(args.drafter_of)
+        out = eagle3_jax.convert_drafter(args.src, args.dst, target)
+    else:
+        out = eagle3_jax.convert(args.src, args.dst, dtype=args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="greedy generation, speculative with --drafter")
+    gen.add_argument("--target", required=True, help="Qwen3 target folder (Hugging Face or converted)")
+    gen.add_argument("--drafter", help="EAGLE-3 drafter folder")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (needs the target folder's tokenizer)")
+    source.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. '1,2,3'")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--num-draft-tokens", type=int, default=3)
+    gen.add_argument("--max-len", type=int, default=2048)
+    gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
+    gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    gen.set_defaults(func=_generate)
+    conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    conv.add_argument("--drafter-of", metavar="TARGET", help="SRC is an EAGLE-3 drafter for this target folder")
+    conv.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle3_jax.errors import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

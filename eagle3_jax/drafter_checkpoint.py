@@ -1,0 +1,322 @@
+"""Loading an EAGLE-3 drafter for a given target, in the formats seen in the wild.
+
+* SpecForge / SGLang flat format (`LlamaForCausalLMEagle3`; AngelSlim `Eagle3LlamaForCausalLM`):
+  top-level Llama config, keys `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, in
+  `model.safetensors` or (AngelSlim) `pytorch_model.bin`.
+* vllm-project "speculators" format (`speculators_model_type: eagle3`): nested
+  `transformer_layer_config` (llama, or qwen3 with q/k norms), keys `layers.0.*`, flags
+  `norm_before_residual`, `fc_norm`, `norm_before_fc`, `norm_output`, `target_hidden_size`.
+
+Capture layers: a nested `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang's reading) counts
+"output of layer k", so we capture entering layer k + 1; a top-level `eagle_aux_hidden_state_layer_ids`
+(speculators, read as-is by vLLM) already counts "entering layer k". Without either, the target's
+default (2, N//2, N-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax import safetensors_io
+from eagle3_jax.checkpoint import ORBAX_MARKER, Target, _check_dtype
+from eagle3_jax.config import RopeConfig, parse_rope, read_json
+from eagle3_jax.drafter import DrafterConfig
+from eagle3_jax.errors import CheckpointError
+
+FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    config: DrafterConfig
+    params: dict
+    folder: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a format keeps things: its layer config, key prefix and flags."""
+
+    layer: dict[str, Any]
+    prefix: str
+    flags: dict[str, bool]
+    capture: tuple[int, ...] | None
+
+
+def _layout(raw: dict[str, Any], where: Path) -> _Layout:
+    if raw.get("speculators_model_type") is not None:
+        if raw["speculators_model_type"] != "eagle3":
+            raise CheckpointError(f"{where}: speculators_model_type {raw['speculators_model_type']!r} is not eagle3")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise CheckpointError(f"{where}: speculators config without 'transformer_layer_config'")
+        flags = {k: bool(raw.get(k, False)) for k in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")}
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        return _Layout(layer, "layers.0.", flags, tuple(int(i) for i in ids) if ids else None)
+    if not set(raw.get("architectures") or ()) & set(FLAT_ARCHITECTURES):
+        raise CheckpointError(
+            f"{where}: not an EAGLE-3 drafter (architectures={raw.get('architectures')}; expected one of "
+            f"{list(FLAT_ARCHITECTURES)} or a speculators eagle3 config)"
+        )
+    if raw.get("norm_output") is False:
+        raise CheckpointError(f"{where}: norm_output=false (logits without the final norm) is not supported")
+    flags = {"norm_before_residual": bool(raw.get("norm_before_residual", False)), "fc_norm": bool(raw.get("fc_norm", False)),
+             "norm_before_fc": False, "norm_output": False}
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    capture = tuple(int(i) + 1 for i in nested) if nested else tuple(int(i) for i in top) if top else None
+    return _Layout(raw, "midlayer.", flags, capture)
+
+
+def _check_layer_config(layer: dict[str, Any], where: Path) -> None:
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise CheckpointError(f"{where}: num_hidden_layers={layer['num_hidden_layers']}: only one-layer drafters are supported")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act={layer['hidden_act']!r} is not supported (only 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if layer.get(flag):
+            raise CheckpointError(f"{where}: {flag}=true is not supported")
+    if layer.get("model_type", "llama") not in ("llama", "qwen3"):
+        raise CheckpointError(f"{where}: drafter layer type {layer.get('model_type')!r} is not supported (llama or qwen3)")
+
+
+def _read_weights(folder: Path) -> dict[str, np.ndarray]:
+    """All drafter tensors on the host (a drafter is one layer: small next to its target)."""
+    if (folder / safetensors_io.SINGLE_FILE).exists() or (folder / safetensors_io.INDEX_FILE).exists():
+        files = safetensors_io.weight_map(folder)
+        out: dict[str, np.ndarray] = {}
+        safetensors_io.read_tensors(files, list(files), out.__setitem__, progress=False)
+        return out
+    bin_file = folder / "pytorch_model.bin"
+    if bin_file.exists():
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(f"{bin_file}: reading .bin files needs torch; convert it first with `eagle3-jax convert`") from None
+        try:
+            state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many types for a bad pickle
+            raise CheckpointError(f"{bin_file}: not a readable PyTorch state dict ({e})") from None
+        return {k: _torch_to_numpy(v) for k, v in state.items()}
+    raise CheckpointError(f"{folder}: no model.safetensors, {safetensors_io.INDEX_FILE} or pytorch_model.bin")
+
+
+def _torch_to_numpy(tensor) -> np.ndarray:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits
+        return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+    return tensor.numpy()
+
+
+def _expected_shapes(cfg: DrafterConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    p = prefix
+    shapes = {
+        "fc.weight": (D, cfg.feature_width),
+        p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
+        p + "post_attention_layernorm.weight": (D,),
+        p + "self_attn.q_proj.weight": (N * H, 2 * D), p + "self_attn.k_proj.weight": (K * H, 2 * D),
+        p + "self_attn.v_proj.weight": (K * H, 2 * D), p + "self_attn.o_proj.weight": (D, N * H),
+        p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D), p + "mlp.down_proj.weight": (D, I),
+        "norm.weight": (D,), "lm_head.weight": (cfg.draft_vocab_size, D),
+    }
+    if cfg.qk_norm:
+        shapes.update({p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)})
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(len(cfg.capture_layers))})
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (cfg.feature_width,)
+    return shapes
+
+
+def _config(raw: dict[str, Any], layout: _Layout, weights: dict[str, np.ndarray], target: Target, where: Path) -> DrafterConfig:
+    """The drafter's config, checked against its weights and against the target."""
+    layer, tcfg = layout.layer, target.config
+    _check_layer_config(layer, where)
+    q_name = layout.prefix + "self_attn.q_proj.weight"
+    if q_name not in weights:
+        raise CheckpointError(f"{where}: missing tensor {q_name!r}")
+    try:
+        heads = int(layer["num_attention_heads"])
+        hidden = int(layer["hidden_size"])
+        intermediate = int(layer["intermediate_size"])
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
+    q_rows = weights[q_name].shape[0]
+    if q_rows % heads:
+        raise CheckpointError(f"{where}: {q_name} has {q_rows} rows, not a multiple of num_attention_heads={heads}")
+    head_dim = q_rows // heads  # from the weights: published configs sometimes disagree with them
+    if layer.get("head_dim") not in (None, head_dim):
+        warnings.warn(f"{where}: config head_dim={layer['head_dim']} disagrees with the weights ({head_dim}); using {head_dim}")
+    target_hidden = int(raw.get("target_hidden_size") or hidden)
+    vocab = int(layer.get("vocab_size") or raw.get("vocab_size") or 0)
+    capture = layout.capture or tcfg.default_capture_layers
+    _check_fit(where, target, target_hidden=target_hidden, vocab=vocab, capture=capture)
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_heads=heads,
+        num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(layer, head_dim, int(layer.get("max_position_embeddings", 4096)), str(where)),
+        draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+        target_vocab_size=vocab,
+        target_hidden_size=target_hidden,
+        capture_layers=capture,
+        qk_norm=layer.get("model_type") == "qwen3",
+        **layout.flags,
+    )
+
+
+def _check_fit(where: Path, target: Target, *, target_hidden: int, vocab: int, capture: tuple[int, ...]) -> None:
+    """A drafter trained for another target is refused, naming the mismatch."""
+    tcfg = target.config
+    if target_hidden != tcfg.hidden_size:
+        raise CheckpointError(f"{where}: drafter expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
+    if vocab != tcfg.vocab_size:
+        raise CheckpointError(f"{where}: drafter vocab_size {vocab} does not match the target's {tcfg.vocab_size}")
+    bad = [c for c in capture if not 0 <= c < tcfg.num_layers]
+    if bad:
+        raise CheckpointError(
+            f"{where}: capture layer {bad[0]} is out of range for a {tcfg.num_layers}-layer target (layers {capture})"
+        )
+
+
+def _check_weights(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarray], where: Path) -> None:
+    expected = _expected_shapes(cfg, prefix)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise CheckpointError(f"{where}: missing tensor {name!r}")
+        if weights[name].shape != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {weights[name].shape}, expected {shape}")
+    unknown = sorted(set(weights) - set(expected) - {"d2t", "t2d", "embed_tokens.weight"})
+    if unknown:
+        raise CheckpointError(f"{where}: unexpected tensors {unknown[:4]} (an unsupported drafter variant?)")
+    if "embed_tokens.weight" in weights and weights["embed_tokens.weight"].shape != (cfg.target_vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{where}: tensor 'embed_tokens.weight' has shape {weights['embed_tokens.weight'].shape}, "
+                              f"expected {(cfg.target_vocab_size, cfg.hidden_size)}")
+    if "embed_tokens.weight" not in weights and cfg.hidden_size != cfg.target_hidden_size:
+        raise CheckpointError(f"{where}: drafter hidden size {cfg.hidden_size} differs from the target's "
+                              f"{cfg.target_hidden_size} and it ships no embed_tokens.weight")
+
+
+def _draft_to_target(cfg: DrafterConfig, weights: dict[str, np.ndarray], where: Path) -> np.ndarray:
+    """d2t offsets as int32, checked to land inside the target vocabulary."""
+    d2t = weights.get("d2t")
+    if d2t is None:
+        if cfg.draft_vocab_size != cfg.target_vocab_size:
+            raise CheckpointError(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab {cfg.target_vocab_size} but no 'd2t' tensor")
+        return np.zeros((cfg.draft_vocab_size,), np.int32)
+    if d2t.shape != (cfg.draft_vocab_size,) or not np.issubdtype(d2t.dtype, np.integer):
+        raise CheckpointError(f"{where}: tensor 'd2t' must be integer [{cfg.draft_vocab_size}], got {d2t.dtype} {d2t.shape}")
+    ids = np.arange(cfg.draft_vocab_size) + d2t
+    if ids.min() < 0 or ids.max() >= cfg.target_vocab_size:
+        raise CheckpointError(f"{where}: tensor 'd2t' maps draft ids outside the target vocabulary [0, {cfg.target_vocab_size})")
+    return d2t.astype(np.int32)
+
+
+def _params(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarray], dtype, where: Path) -> dict:
+    _check_weights(cfg, prefix, weights, where)
+    d2t = _draft_to_target(cfg, weights, where)
+    p = prefix
+
+    def get(*names):
+        arrays = [weights[n] if weights[n].dtype == dtype else weights[n].astype(dtype) for n in names]
+        return jax.device_put(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0))
+
+    params = {
+        "fc": get("fc.weight"),
+        "hidden_norm": get(p + "hidden_norm.weight"),
+        "embed_norm": get(p + "input_layernorm.weight"),
+        "wqkv": get(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+        "wo": get(p + "self_attn.o_proj.weight"),
+        "mlp_norm": get(p + "post_attention_layernorm.weight"),
+        "w_gate_up": get(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        "w_down": get(p + "mlp.down_proj.weight"),
+        "final_norm": get("norm.weight"),
+        "lm_head": get("lm_head.weight"),
+        "d2t": jax.device_put(d2t),
+    }
+    if "embed_tokens.weight" in weights:
+        params["embed"] = get("embed_tokens.weight")
+    if cfg.qk_norm:
+        params["q_norm"], params["k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+    if cfg.fc_norm:
+        params["fc_norms"] = tuple(get(f"fc_norm.{i}.weight") for i in range(len(cfg.capture_layers)))
+    if cfg.norm_before_fc:
+        params["feature_norm"] = get("input_norm.weight")
+    return params
+
+
+def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> Drafter:
+    """Loads an EAGLE-3 drafter for `target` (Hugging Face formats above, or a `convert_drafter` folder)."""
+    folder = Path(path)
+    jdtype = _check_dtype(dtype)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: drafter folder not found")
+    if (folder / ORBAX_MARKER).exists():
+        return _load_orbax(folder, target, jdtype)
+    where = folder / "config.json"
+    raw = read_json(where)
+    layout = _layout(raw, where)
+    weights = _read_weights(folder)
+    cfg = _config(raw, layout, weights, target, where)
+    return Drafter(cfg, _params(cfg, layout.prefix, weights, jdtype, folder), folder)
+
+
+def _config_from_json(raw: dict) -> DrafterConfig:
+    raw = dict(raw)
+    raw["rope"] = RopeConfig(**raw["rope"])
+    raw["capture_layers"] = tuple(raw["capture_layers"])
+    return DrafterConfig(**raw)
+
+
+def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str = "bfloat16") -> Path:
+    """Drafter folder (any supported format, .bin included) -> orbax folder that loads without torch."""
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst}: destination already exists")
+    drafter = load_drafter(src, target, dtype=dtype)
+    dst.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((dst / "params").absolute(), drafter.params)
+    shutil.copy(Path(src) / "config.json", dst / "config.json")
+    marker = {"format_version": _FORMAT_VERSION, "kind": "drafter", "dtype": dtype,
+              "config": dataclasses.asdict(drafter.config)}
+    (dst / ORBAX_MARKER).write_text(json.dumps(marker))
+    return dst
+
+
+def _load_orbax(folder: Path, target: Target, dtype) -> Drafter:
+    import orbax.checkpoint as ocp
+
+    marker = read_json(folder / ORBAX_MARKER)
+    if marker.get("kind") != "drafter" or marker.get("format_version") != _FORMAT_VERSION:
+        raise CheckpointError(f"{folder / ORBAX_MARKER}: not a drafter converted by this version")
+    cfg = _config_from_json(marker["config"])
+    _check_fit(folder, target, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size, capture=cfg.capture_layers)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore((folder / "params").absolute())
+    except Exception as e:  # orbax raises many types; all mean the same thing to the user
+        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
+    if "fc_norms" in params:
+        params["fc_norms"] = tuple(params["fc_norms"])  # orbax stores tuples as lists
+    if jnp.dtype(marker["dtype"]) != dtype:
+        params = {k: v if k == "d2t" else jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items()}
+    return Drafter(cfg, params, folder)

@@ -1,0 +1,166 @@
+"""The speculative engine: lossless against plain greedy decoding, acceptance as predicted, the
+cache edge, stops inside accepted spans, one transfer per round, abandoned streams."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import eagle3_jax
+from eagle3_jax import engine as engine_lib
+import drafter_oracle as oracle
+import spec_worlds as worlds
+
+GAMMAS = [1, 2, 3, 5, 7]
+PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """All targets and drafters, built once."""
+    root = tmp_path_factory.mktemp("worlds")
+    out = {}
+    for kind in ("permutation", "constant", "random"):
+        out["t:" + kind] = worlds.save_target(kind, root / kind)
+    for target_kind, drafter_kind in [("permutation", "pi1"), ("permutation", "pi2"), ("permutation", "pi3"),
+                                      ("constant", "constant"), ("random", "random")]:
+        out["d:" + drafter_kind] = worlds.save_drafter(drafter_kind, root / drafter_kind, out["t:" + target_kind][1])
+    return out
+
+
+def spec_off(target, prompts, max_new, max_len=128, stops=()):
+    return eagle3_jax.Engine(target, max_len=max_len).generate(prompts, max_new, stop_token_ids=stops)
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("target_kind, drafter_kind", [("random", "random"), ("permutation", "pi2"),
+                                                        ("permutation", "pi1"), ("constant", "constant")])
+def test_lossless_for_every_gamma(world, gamma, target_kind, drafter_kind):
+    target = world["t:" + target_kind][1]
+    drafter = world["d:" + drafter_kind][2]
+    expected = spec_off(target, PROMPTS, 30)
+    got = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=128).generate(PROMPTS, 30)
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids and g.finish_reason == e.finish_reason
+        # Each round emits accepted + 1 tokens; the first token comes from prefill.
+        assert 1 + sum(a + 1 for a in g.accept_lengths) >= len(g.token_ids) > sum(a + 1 for a in g.accept_lengths[:-1])
+        assert all(0 <= a <= gamma for a in g.accept_lengths)
+    accepts = [a for g in got for a in g.accept_lengths]
+    if drafter_kind == "constant":
+        assert accepts == [gamma] * len(accepts)  # every draft accepted
+    elif drafter_kind == "pi2":
+        assert accepts == [1] * len(accepts)  # d_1 right, the rest not (see spec_worlds)
+    elif drafter_kind == "pi1":
+        assert accepts == [0] * len(accepts)  # every draft rejected
+
+
+def test_pairing_off_by_one_would_be_caught(world):
+    """Only the drafter that is right under the (g_t, x_{t+1}) pairing gets anything accepted: pi^1
+    and pi^3 are what a drafter would need if the engine paired features and tokens one off."""
+    target = world["t:permutation"][1]
+    for kind, expected in [("pi1", 0), ("pi2", 1), ("pi3", 0)]:
+        results = eagle3_jax.Engine(target, world["d:" + kind][2], num_draft_tokens=3, max_len=64).generate(PROMPTS, 12)
+        assert {a for r in results for a in r.accept_lengths} == {expected}, kind
+
+
+def simulate_accepts(model, spec, state, prompt, output, gamma):
+    """Accept lengths by an independent route: transformers' features + SpecForge's chain drafts,
+    compared with the greedy continuation (`output` runs past what the engine emitted)."""
+    seq = list(prompt) + list(output)
+    n, accepts = len(prompt), []
+    capture = (2, worlds.LAYERS // 2, worlds.LAYERS - 3)
+    while n + 1 + gamma < len(seq):
+        with torch.no_grad():
+            hidden = model(torch.tensor([seq[:n]]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i] for i in capture], dim=-1)
+        drafts = oracle.reference_chain(state, spec, model.model.embed_tokens.weight.detach(), feats,
+                                        torch.tensor([seq[1 : n + 1]]), gamma).draft_ids[0].tolist()
+        a = 0
+        while a < gamma and drafts[a] == seq[n + 1 + a]:
+            a += 1
+        accepts.append(a)
+        n += a + 1
+    return accepts
+
+
+@pytest.mark.parametrize("target_kind, drafter_kind", [("random", "random"), ("permutation", "pi2")])
+def test_accept_lengths_match_independent_simulation(world, target_kind, drafter_kind):
+    model, target = world["t:" + target_kind]
+    spec, state, drafter = world["d:" + drafter_kind]
+    gamma = 3
+    long = spec_off(target, PROMPTS[:2], 40)
+    got = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=128).generate(PROMPTS[:2], 24)
+    for prompt, ref, result in zip(PROMPTS, long, got):
+        expected = simulate_accepts(model, spec, state, prompt, ref.token_ids, gamma)
+        assert result.accept_lengths == expected[: len(result.accept_lengths)]
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("drafter_kind, target_kind", [("constant", "constant"), ("random", "random")])
+def test_cache_edge(world, gamma, drafter_kind, target_kind):
+    """Every start length within gamma + 2 of max_len: no error, output equal to spec-off."""
+    target, drafter = world["t:" + target_kind][1], world["d:" + drafter_kind][2]
+    max_len = 100
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len)
+    rng = np.random.default_rng(gamma)
+    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len + 1)]
+    expected = spec_off(target, prompts, 50, max_len=max_len)
+    got = engine.generate(prompts, 50)
+    for p, e, g in zip(prompts, expected, got):
+        assert g.token_ids == e.token_ids and len(p) + len(g.token_ids) == max_len and g.finish_reason == "length"
+        if drafter_kind == "constant":
+            # All drafts accepted until the room runs out: the seed review's case is L=97, gamma=3.
+            n, expected_accepts = len(p), []
+            while n + 1 < max_len:
+                a = min(gamma, max_len - n - 2)
+                expected_accepts.append(a)
+                n += a + 1
+            assert g.accept_lengths == expected_accepts
+
+
+def test_seed_review_case(world):
+    target, drafter = world["t:constant"][1], world["d:constant"][2]
+    (result,) = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=100).generate([[1] * 97], 10)
+    assert result.token_ids == [0, 0, 0] and result.accept_lengths == [1]
+
+
+def test_stops_and_max_new_inside_accepted_spans(world):
+    target, drafter = world["t:permutation"][1], world["d:pi2"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
+    (full,) = spec_off(target, [PROMPTS[0]], 20)
+    for cut in range(1, 8):  # every position of the first rounds' accepted spans
+        stop = full.token_ids[cut]
+        (result,) = engine.generate([PROMPTS[0]], 20, stop_token_ids=[stop])
+        (reference,) = spec_off(target, [PROMPTS[0]], 20, stops=[stop])
+        assert result.token_ids == reference.token_ids == full.token_ids[: cut + 1] and result.finish_reason == "stop"
+        (result,) = engine.generate([PROMPTS[0]], cut)
+        assert result.token_ids == full.token_ids[:cut] and result.finish_reason == "length"
+
+
+def test_one_transfer_per_round_and_no_recompile(world, monkeypatch):
+    target, drafter = world["t:random"][1], world["d:random"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
+    fetches = []
+    real = engine_lib._fetch
+    monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real(x))
+    with jax.transfer_guard("disallow"):
+        results = engine.generate(PROMPTS, 16)
+        engine.generate([[5, 6], [1], [2, 3, 4]], 16)
+    rounds = max(len(r.accept_lengths) for r in results)
+    assert engine._round._cache_size() == 1
+    assert fetches[: rounds + 1] == [(3, 4)] + [(3, 3 + 4)] * rounds  # prefill, then one [B, gamma+1+3] per round
+
+
+def test_abandoned_stream_leaves_engine_usable(world):
+    target, drafter = world["t:random"][1], world["d:random"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
+    stream = engine.stream(PROMPTS, 30)
+    first = [next(stream), next(stream)]
+    assert all(len(chunk) == len(PROMPTS) for chunk in first)
+    del stream
+    again = engine.generate(PROMPTS, 30)
+    fresh = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128).generate(PROMPTS, 30)
+    assert again == fresh
+    # The stream's chunks concatenate to the generated tokens.
+    chunks = list(engine.stream(PROMPTS, 30))
+    assert [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))] == [r.token_ids for r in fresh]
