@@ -36,7 +36,8 @@ def _generate(args) -> int:
         prompt = tokenizer(args.prompt)["input_ids"]
     else:
         prompt = args.prompt_ids
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len)
+    max_len = args.max_len or min(4096, target.config.max_position_embeddings)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len)
     stops = args.stop_ids or ([tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
     engine.generate([prompt], max_new_tokens=1, stop_token_ids=stops)  # compile outside the timing
     start = time.perf_counter()
@@ -59,8 +60,8 @@ def _convert(args) -> int:
     import eagle3_jax
 
     if args.drafter_of:
-        target = eagle3_jax.load_target(args.drafter_of)
-        out = eagle3_jax.convert_drafter(args.src, args.dst, target)
+        target = eagle3_jax.load_target(args.drafter_of, dtype=args.dtype)
+        out = eagle3_jax.convert_drafter(args.src, args.dst, target, dtype=args.dtype)
     else:
         out = eagle3_jax.convert(args.src, args.dst, dtype=args.dtype)
     print(f"wrote {out}")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. '1,2,3'")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--num-draft-tokens", type=int, default=3)
-    gen.add_argument("--max-len", type=int, default=2048)
+    gen.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     gen.set_defaults(func=_generate)

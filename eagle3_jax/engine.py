@@ -23,10 +23,20 @@ _STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number ra
 
 
 @dataclasses.dataclass(frozen=True)
+class RoundTrace:
+    """One speculative round of one sequence, for inspection (`generate(..., trace=True)`)."""
+
+    drafted: list[int]  # the drafter's gamma proposals, as target ids
+    target: list[int]  # the target's greedy choice after each of [x_n, d_1 .. d_gamma]
+    accepted: int  # how many drafts matched before the first miss
+
+
+@dataclasses.dataclass(frozen=True)
 class Result:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "stop" (ended at a stop token, included) or "length"
     accept_lengths: list[int]  # per speculative round: drafted tokens accepted (0..gamma); empty when spec is off
+    rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -34,11 +44,22 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return jax.device_get(x)
 
 
-def _unpack(packed: np.ndarray):
-    """The inverse of spec_round._pack: (emitted tokens per row, accepted per row, done per row)."""
-    width = packed.shape[1] - 3
-    num_emit, accepted, done = packed[:, width], packed[:, width + 1], packed[:, width + 2].astype(bool)
-    return [row[:n].tolist() for row, n in zip(packed[:, :width], num_emit)], accepted.tolist(), done
+@dataclasses.dataclass(frozen=True)
+class _RoundOutput:
+    """The host's view of one round (or of prefill), unpacked from spec_round's single array."""
+
+    tokens: list[list[int]]  # emitted tokens per row
+    choices: np.ndarray  # [B, gamma + 1] the target's greedy choices
+    drafts: np.ndarray  # [B, gamma]
+    accepted: np.ndarray  # [B]
+    done: np.ndarray  # [B] bool
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray) -> "_RoundOutput":
+        gamma = (packed.shape[1] - 4) // 2
+        choices, drafts = packed[:, : gamma + 1], packed[:, gamma + 1 : 2 * gamma + 1]
+        num_emit, accepted, done = packed[:, -3], packed[:, -2], packed[:, -1].astype(bool)
+        return cls([row[:n].tolist() for row, n in zip(choices, num_emit)], choices, drafts, accepted, done)
 
 
 class Engine:
@@ -71,42 +92,46 @@ class Engine:
     def _draft_params(self):
         return self.drafter.params if self.drafter is not None else None
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> list[Result]:
-        """Greedy continuation of each prompt (token ids); see `Result`."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                 trace: bool = False) -> list[Result]:
+        """Greedy continuation of each prompt (token ids); see `Result`. trace=True also records each
+        round's drafts and target choices (`Result.rounds`); it costs nothing when off."""
         tokens = [[] for _ in prompts]
         accepts = [[] for _ in prompts]
+        traces = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
         stops = set(stop_token_ids)
-        for chunk, accepted, done in self._rounds(prompts, max_new_tokens, stop_token_ids):
-            for i, new in enumerate(chunk):
+        for out, live in self._rounds(prompts, max_new_tokens, stop_token_ids):
+            for i, new in enumerate(out.tokens):
                 tokens[i].extend(new)
-                if accepted[i] is not None:
-                    accepts[i].append(accepted[i])
-                if done[i] and new and new[-1] in stops:
+                if live[i]:
+                    accepts[i].append(int(out.accepted[i]))
+                    if trace:
+                        traces[i].append(RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), int(out.accepted[i])))
+                if out.done[i] and new and new[-1] in stops:
                     reasons[i] = "stop"
-        return [Result(t, r, a) for t, r, a in zip(tokens, reasons, accepts)]
+        return [Result(t, r, a, tr if trace else None) for t, r, a, tr in zip(tokens, reasons, accepts, traces)]
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
         """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point."""
-        for chunk, _, _ in self._rounds(prompts, max_new_tokens, stop_token_ids):
-            yield chunk
+        for out, _ in self._rounds(prompts, max_new_tokens, stop_token_ids):
+            yield out.tokens
 
     def _rounds(self, prompts, max_new_tokens, stop_token_ids):
-        """Yields (new tokens per row, accepted drafts per row or None, done per row) per round."""
+        """Yields (round output, which rows were live in a speculative round) for prefill and each round."""
         batch = self._prepare(prompts, max_new_tokens, stop_token_ids)
         state, packed = self._prefill(self.target.params, self._draft_params, *batch)
-        chunk, _, done = _unpack(_fetch(packed))
-        yield chunk, [None] * len(chunk), done
-        pending = self._round(self.target.params, self._draft_params, state) if not done.all() else None
+        out = _RoundOutput.unpack(_fetch(packed))
+        yield out, [False] * len(prompts)
+        pending = self._round(self.target.params, self._draft_params, state) if not out.done.all() else None
         while pending is not None:
             state, packed = pending
             # Dispatch the next round before waiting for this one's tokens.
             following = self._round(self.target.params, self._draft_params, state)
-            was_live = ~done
-            chunk, accepted, done = _unpack(_fetch(packed))
-            spec_on = self.drafter is not None
-            yield chunk, [a if live and spec_on else None for a, live in zip(accepted, was_live)], done
-            pending = following if not done.all() else None
+            speculative_rows = ~out.done & (self.drafter is not None)
+            out = _RoundOutput.unpack(_fetch(packed))
+            yield out, speculative_rows
+            pending = following if not out.done.all() else None
 
     def _prepare(self, prompts, max_new_tokens, stop_token_ids):
         """Checks the request on the host and builds the device inputs; raises ValueError before any device work."""

@@ -69,9 +69,11 @@ def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
     return num_emit, done
 
 
-def _pack(tokens, num_emit, accepted, done) -> jax.Array:
-    """One int32 array per round, so the host needs a single transfer: [tokens..., n, a, done]."""
-    return jnp.concatenate([tokens, num_emit[:, None], accepted[:, None], done[:, None].astype(jnp.int32)], axis=1)
+def _pack(choices, drafts, num_emit, accepted, done) -> jax.Array:
+    """One int32 array [B, 2 gamma + 4] per round, so the host needs a single transfer:
+    [target choices (gamma + 1), drafts (gamma), tokens emitted, drafts accepted, done]."""
+    columns = [num_emit[:, None], accepted[:, None], done[:, None].astype(jnp.int32)]
+    return jnp.concatenate([choices, drafts] + columns, axis=1)
 
 
 def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec: StepSpec):
@@ -106,7 +108,8 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec
     )
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
-    return state, _pack(first[:, None], num_emit, zeros, done)
+    unused = jnp.zeros((B, spec.gamma), jnp.int32)  # same width as a round's output: one unpacking
+    return state, _pack(jnp.concatenate([first[:, None], unused], axis=1), unused, num_emit, zeros, done)
 
 
 def _accept(drafts, choices, room):
@@ -160,4 +163,4 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
             draft_cache=draft_cache.with_lengths(new_length),
             draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
         )
-    return new_state, _pack(choices, num_emit, jnp.where(live, accepted, 0), done)
+    return new_state, _pack(choices, drafts, num_emit, jnp.where(live, accepted, 0), done)

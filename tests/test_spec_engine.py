@@ -148,7 +148,7 @@ def test_one_transfer_per_round_and_no_recompile(world, monkeypatch):
         engine.generate([[5, 6], [1], [2, 3, 4]], 16)
     rounds = max(len(r.accept_lengths) for r in results)
     assert engine._round._cache_size() == 1
-    assert fetches[: rounds + 1] == [(3, 4)] + [(3, 3 + 4)] * rounds  # prefill, then one [B, gamma+1+3] per round
+    assert fetches[: rounds + 1] == [(3, 2 * 3 + 4)] * (rounds + 1)  # prefill, then one [B, 2 gamma + 4] per round
 
 
 def test_abandoned_stream_leaves_engine_usable(world):
@@ -164,3 +164,18 @@ def test_abandoned_stream_leaves_engine_usable(world):
     # The stream's chunks concatenate to the generated tokens.
     chunks = list(engine.stream(PROMPTS, 30))
     assert [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))] == [r.token_ids for r in fresh]
+
+
+def test_trace_records_drafts_and_target_choices(world):
+    target, drafter = world["t:permutation"][1], world["d:pi2"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
+    (result,) = engine.generate([PROMPTS[0]], 13, trace=True)
+    (plain,) = engine.generate([PROMPTS[0]], 13)
+    assert plain.rounds is None and result.token_ids == plain.token_ids
+    emitted = result.token_ids[1:]
+    for r in result.rounds:
+        assert len(r.drafted) == 3 and len(r.target) == 4 and r.accepted == 1
+        assert r.drafted[0] == r.target[0] and r.drafted[1] != r.target[1]
+        assert r.target[: r.accepted + 1] == emitted[: r.accepted + 1]
+        emitted = emitted[r.accepted + 1 :]
+    assert emitted == []
