@@ -45,6 +45,27 @@ class DrafterConfig:
         return len(self.capture_layers) * self.target_hidden_size
 
 
+def abstract_params(cfg: DrafterConfig, dtype, with_embed: bool = False) -> dict:
+    """Every parameter's shape and dtype (jax.ShapeDtypeStruct), in the pytree's structure."""
+    D, H, I, N, K = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads
+    shapes = {
+        "fc": (D, cfg.feature_width), "hidden_norm": (D,), "embed_norm": (D,), "wqkv": ((N + 2 * K) * H, 2 * D),
+        "wo": (D, N * H), "mlp_norm": (D,), "w_gate_up": (2 * I, D), "w_down": (D, I), "final_norm": (D,),
+        "lm_head": (cfg.draft_vocab_size, D),
+    }
+    if with_embed:
+        shapes["embed"] = (cfg.target_vocab_size, D)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(H,), k_norm=(H,))
+    if cfg.norm_before_fc:
+        shapes["feature_norm"] = (cfg.feature_width,)
+    out = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in shapes.items()}
+    if cfg.fc_norm:
+        out["fc_norms"] = tuple(jax.ShapeDtypeStruct((cfg.target_hidden_size,), dtype) for _ in cfg.capture_layers)
+    out["d2t"] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), jnp.int32)
+    return out
+
+
 def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
     return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 

@@ -1,0 +1,574 @@
+"""`eagle3-jax bench`: where a Qwen3-8B + EAGLE-3 decode stands against the GPU's limits.
+
+One process, random bf16 weights at real shapes built on the device (no downloads). It measures the
+ceilings (device-to-device copy bandwidth, bf16 matmul rate), then every step the engine runs, each
+against its floor (bytes it must read: weights + live KV, over the copy bandwidth measured here):
+the spec-off decode step, the verify step, one draft step, the drafter rebuild, the draft chain and
+whole speculative rounds, plus compile times, transfers per round and the peer a user would run
+instead (transformers `generate`, eager). On the CPU it runs the same code at tiny shapes (a smoke
+test). Prints a table, writes bench.json and bench.png under --out.
+
+Timing (METHOD.md): warm-up, then the median over `reps` of `inner` back-to-back calls each,
+synchronised with block_until_ready; random data, never zeros; functions are compiled ahead of the
+timed region (`lower().compile()`), so nothing can recompile inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import spec_round
+from eagle3_jax import target as target_lib
+from eagle3_jax.checkpoint import Target
+from eagle3_jax.config import Qwen3Config, RopeConfig
+from eagle3_jax.drafter import DrafterConfig
+from eagle3_jax.drafter_checkpoint import Drafter
+from eagle3_jax.engine import Engine
+from eagle3_jax.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to measure."""
+
+    target: Qwen3Config
+    drafter: DrafterConfig
+    batches: tuple[int, ...]  # spec-off decode
+    kv_lengths: tuple[int, ...]  # spec-off decode
+    spec_batches: tuple[int, ...]  # verify, draft, rebuild, rounds
+    spec_kv_length: int
+    gammas: tuple[int, ...]
+    reps: int
+    inner: int
+    copy_bytes: int
+    matmul_n: int
+
+
+def qwen3_8b_plan() -> Plan:
+    rope = RopeConfig(theta=1e6, head_dim=128)
+    target = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope=rope, tie_word_embeddings=False,
+                         max_position_embeddings=40960)
+    drafter = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                            rms_norm_eps=1e-6, rope=rope, draft_vocab_size=32000, target_vocab_size=151936,
+                            target_hidden_size=4096, capture_layers=target.default_capture_layers)
+    return Plan(target, drafter, batches=(1, 8, 32), kv_lengths=(1024, 8192), spec_batches=(1, 8), spec_kv_length=1024,
+                gammas=(1, 3, 5, 7), reps=15, inner=10, copy_bytes=4 << 30, matmul_n=8192)
+
+
+def tiny_plan() -> Plan:
+    rope = RopeConfig(theta=1e4, head_dim=16)
+    target = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=rope, tie_word_embeddings=False,
+                         max_position_embeddings=1024)
+    drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                            rms_norm_eps=1e-6, rope=rope, draft_vocab_size=64, target_vocab_size=256,
+                            target_hidden_size=64, capture_layers=target.default_capture_layers)
+    return Plan(target, drafter, batches=(1, 2), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
+                gammas=(1, 3), reps=3, inner=2, copy_bytes=1 << 20, matmul_n=128)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def random_tree(abstract, seed: int):
+    """Random device arrays for a tree of ShapeDtypeStructs: normal * 0.02 floats, small int offsets."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    out = []
+    for i, leaf in enumerate(leaves):
+        key = jax.random.key(seed * 1000 + i)
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))  # d2t: identity-like mapping, draft ids are target ids
+        else:
+            out.append(_normal(key, leaf.shape, leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+
+def random_cache(num_layers, batch, kv_heads, capacity, head_dim, length, dtype, seed) -> KVCache:
+    shape = (batch, kv_heads, capacity, head_dim)
+    return KVCache(
+        k=tuple(_normal(jax.random.key(seed + 2 * i), shape, dtype) for i in range(num_layers)),
+        v=tuple(_normal(jax.random.key(seed + 2 * i + 1), shape, dtype) for i in range(num_layers)),
+        lengths=jnp.full((batch,), length, jnp.int32),
+    )
+
+
+def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype, with_drafter: bool) -> spec_round.DecodeState:
+    t, d = plan.target, plan.drafter
+    key = jax.random.key(batch * 7 + length)
+    return spec_round.DecodeState(
+        target_cache=random_cache(t.num_layers, batch, t.num_kv_heads, capacity, t.head_dim, length, dtype, 11),
+        draft_cache=random_cache(1, batch, d.num_kv_heads, capacity, d.head_dim, length, dtype, 99) if with_drafter else None,
+        last_token=jax.random.randint(key, (batch,), 0, t.vocab_size, jnp.int32),
+        draft_hidden=_normal(key, (batch, d.hidden_size), dtype) if with_drafter else None,
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        max_new=jnp.full((batch,), 1 << 30, jnp.int32),
+        stop_ids=jnp.full((batch, 8), -1, jnp.int32),
+        done=jnp.zeros((batch,), bool),
+    )
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_chain(compiled, state, args, plan: Plan):
+    """Median seconds per call of `state, out = compiled(*args, state)`, state donated and rebound."""
+    for _ in range(3):
+        state, _ = compiled(*args, state)
+    jax.block_until_ready(state)
+    samples = []
+    for _ in range(plan.reps):
+        start = time.perf_counter()
+        for _ in range(plan.inner):
+            state, _ = compiled(*args, state)
+        jax.block_until_ready(state)
+        samples.append((time.perf_counter() - start) / plan.inner)
+    return statistics.median(samples), state
+
+
+def compile_timed(jitted, *args):
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def measure_copy_bandwidth(nbytes: int) -> dict:
+    x = _normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    scale = jax.jit(lambda a: a * jnp.bfloat16(1.5))
+    jax.block_until_ready(scale(x))
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(scale(x))
+        samples.append(time.perf_counter() - start)
+    out = {"jax_elementwise_tbps": 2 * nbytes / statistics.median(samples) / 1e12}
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+            b = torch.empty_like(a)
+            b.copy_(a)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            times = []
+            for _ in range(10):
+                ev[0].record()
+                b.copy_(a)
+                ev[1].record()
+                torch.cuda.synchronize()
+                times.append(ev[0].elapsed_time(ev[1]) / 1e3)
+            out["torch_copy_tbps"] = 2 * nbytes / statistics.median(times) / 1e12
+            del a, b
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    out["copy_tbps"] = max(out.values())
+    return out
+
+
+def measure_matmul(n: int) -> float:
+    a = _normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = _normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    jax.block_until_ready(mm(a, b))
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        samples.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(samples) / 1e12
+
+
+# ----------------------------------------------------------------------------- floors
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def target_weight_bytes(params) -> int:
+    """Bytes a target step reads: every weight but the embedding, which is a gather of B x T rows."""
+    return nbytes({k: v for k, v in params.items() if k != "embed"})
+
+
+def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
+    return num_layers * 2 * batch * length * kv_heads * head_dim * itemsize
+
+
+# ----------------------------------------------------------------------------- step functions
+
+
+def _target_step(params, tokens, cache, *, cfg, capture, attn):
+    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, attn)
+    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
+
+
+def _draft_step(params, embed, h, token, cache, *, cfg, attn):
+    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, attn)
+    return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
+
+
+def _rebuild(params, embed, features, tokens, cache, *, cfg, attn):
+    h = drafter_lib.project_features(params, cfg, features)
+    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, attn)
+    return cache, out[:, -1]
+
+
+def _chain(params, embed, h, cache, *, cfg, gamma, attn):
+    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, attn)
+    return cache, drafts
+
+
+def _jit_step(fn, num_args, **static):
+    """jit with the state (last argument) donated, so the step updates its buffers in place."""
+    return jax.jit(functools.partial(fn, **static), donate_argnums=(num_args - 1,))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class Bench:
+    def __init__(self, plan: Plan, attn: tuple[str, ...], budget_s: float, dtype, out: Path):
+        self.plan, self.attn, self.dtype, self.out = plan, attn, dtype, out
+        self.deadline = time.perf_counter() + budget_s
+        self.results: dict = {"skipped": []}
+        t0 = time.perf_counter()
+        self.tparams = random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
+        self.dparams = random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
+        jax.block_until_ready((self.tparams, self.dparams))
+        self.results["init_s"] = time.perf_counter() - t0
+        self.target = Target(plan.target, self.tparams, folder=None)
+        self.drafter = Drafter(plan.drafter, self.dparams, folder=None)
+        self.bw = None
+
+    def time_left(self, label: str) -> bool:
+        if time.perf_counter() < self.deadline:
+            return True
+        self.results["skipped"].append(label)
+        print(f"skipped (time budget): {label}", flush=True)
+        return False
+
+    def floor_s(self, nbytes_read: int) -> float:
+        return nbytes_read / (self.bw * 1e12)
+
+    def row(self, section: str, entry: dict, seconds: float, read: int, compile_s: float) -> dict:
+        entry.update(time_ms=seconds * 1e3, floor_ms=self.floor_s(read) * 1e3, ratio=seconds / self.floor_s(read),
+                     bytes_read=read, compile_s=compile_s)
+        self.results.setdefault(section, []).append(entry)
+        self.save()
+        print(f"{section:12s} {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})}",
+              flush=True)
+        return entry
+
+    def save(self) -> None:
+        """Written after every measurement, so a run cut short still leaves its numbers."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "bench.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def ceilings(self) -> None:
+        self.results["ceilings"] = copy = measure_copy_bandwidth(self.plan.copy_bytes)
+        copy["matmul_tflops"] = measure_matmul(self.plan.matmul_n)
+        self.bw = copy["copy_tbps"]
+        print("ceilings", json.dumps(copy), flush=True)
+
+    def _kv(self, cfg_layers, kv_heads, head_dim, batch, length):
+        return kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
+
+    def decode(self, batch: int, length: int, attn: str) -> None:
+        """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit)."""
+        t = self.plan.target
+        engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
+        state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
+        compiled, compile_s = compile_timed(engine._round, self.tparams, None, state)
+        seconds, _ = time_chain(lambda s: compiled(self.tparams, None, s), state, (), self.plan)
+        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
+        self.row("decode", {"batch": batch, "kv_len": length, "attn": attn, "tokens_per_s": batch / seconds},
+                 seconds, read, compile_s)
+
+    def verify(self, batch: int, tokens: int, attn: str) -> None:
+        t, L = self.plan.target, self.plan.spec_kv_length
+        cache = random_cache(t.num_layers, batch, t.num_kv_heads, L + 64, t.head_dim, L, self.dtype, 5)
+        toks = jax.random.randint(jax.random.key(3), (batch, tokens), 0, t.vocab_size, jnp.int32)
+        step = _jit_step(_target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, attn=attn)
+        compiled, compile_s = compile_timed(step, self.tparams, toks, cache)
+        seconds, _ = time_chain(compiled, cache, (self.tparams, toks), self.plan)
+        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
+        self.row("verify", {"batch": batch, "kv_len": L, "tokens": tokens, "attn": attn}, seconds, read, compile_s)
+
+    def _drafter_inputs(self, batch):
+        d, L = self.plan.drafter, self.plan.spec_kv_length
+        cache = random_cache(1, batch, d.num_kv_heads, L + 64, d.head_dim, L, self.dtype, 7)
+        return cache, self.tparams["embed"]
+
+    def _drafter_read(self, batch, tokens, with_fc: bool, with_head: bool) -> int:
+        d, p = self.plan.drafter, self.dparams
+        layer = nbytes({k: v for k, v in p.items() if k not in ("fc", "lm_head", "d2t")})
+        read = layer + (nbytes(p["fc"]) if with_fc else 0) + (nbytes(p["lm_head"]) if with_head else 0)
+        return read + self._kv(1, d.num_kv_heads, d.head_dim, batch, self.plan.spec_kv_length + tokens)
+
+    def draft_step(self, batch: int, attn: str) -> None:
+        d = self.plan.drafter
+        cache, embed = self._drafter_inputs(batch)
+        h = _normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
+        token = jnp.zeros((batch,), jnp.int32) + 17
+        step = _jit_step(_draft_step, 5, cfg=d, attn=attn)
+        compiled, compile_s = compile_timed(step, self.dparams, embed, h, token, cache)
+        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, h, token), self.plan)
+        self.row("draft_step", {"batch": batch, "attn": attn}, seconds, self._drafter_read(batch, 1, False, True), compile_s)
+
+    def rebuild(self, batch: int, tokens: int, attn: str) -> None:
+        d = self.plan.drafter
+        cache, embed = self._drafter_inputs(batch)
+        feats = _normal(jax.random.key(5), (batch, tokens, d.feature_width), self.dtype)
+        toks = jax.random.randint(jax.random.key(6), (batch, tokens), 0, d.target_vocab_size, jnp.int32)
+        step = _jit_step(_rebuild, 5, cfg=d, attn=attn)
+        compiled, compile_s = compile_timed(step, self.dparams, embed, feats, toks, cache)
+        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, feats, toks), self.plan)
+        self.row("rebuild", {"batch": batch, "tokens": tokens, "attn": attn}, seconds,
+                 self._drafter_read(batch, tokens, True, False), compile_s)
+
+    def chain(self, batch: int, gamma: int, attn: str) -> None:
+        d = self.plan.drafter
+        cache, embed = self._drafter_inputs(batch)
+        h = _normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
+        step = _jit_step(_chain, 4, cfg=d, gamma=gamma, attn=attn)
+        compiled, compile_s = compile_timed(step, self.dparams, embed, h, cache)
+        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, h), self.plan)
+        read = self._drafter_read(batch, gamma, False, True) * (gamma - 1) + nbytes(self.dparams["lm_head"])
+        self.row("chain", {"batch": batch, "gamma": gamma, "attn": attn}, seconds, read, compile_s)
+
+    def round(self, batch: int, gamma: int, attn: str) -> None:
+        L = self.plan.spec_kv_length
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=L + 64 * 8, attn_impl=attn)
+        state = decode_state(self.plan, batch, L, L + 64 * 8, self.dtype, with_drafter=True)
+        compiled, compile_s = compile_timed(engine._round, self.tparams, self.dparams, state)
+        seconds, _ = time_chain(lambda s: compiled(self.tparams, self.dparams, s), state, (), self.plan)
+        parts = {r["section"]: r["time_ms"] for r in self._parts(batch, gamma, attn)}
+        t = self.plan.target
+        read = (target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
+                + sum(r["bytes_read"] for r in self._parts(batch, gamma, attn) if r["section"] != "verify"))
+        entry = {"batch": batch, "gamma": gamma, "attn": attn, "parts_ms": parts}
+        self.row("round", entry, seconds, read, compile_s)
+        if len(parts) == 3:
+            entry["overhead"] = seconds * 1e3 / sum(parts.values()) - 1
+        spec_off = [r for r in self.results.get("decode", []) if r["batch"] == batch and r["kv_len"] == L and r["attn"] == attn]
+        entry["projected_tokens_per_s"] = {tau: batch * tau / seconds for tau in range(1, gamma + 2)}
+        if spec_off:
+            entry["spec_off_tokens_per_s"] = spec_off[0]["tokens_per_s"]
+
+    def _parts(self, batch, gamma, attn):
+        wanted = {("verify", gamma + 1), ("chain", gamma), ("rebuild", gamma + 1)}
+        out = []
+        for section, key in (("verify", "tokens"), ("chain", "gamma"), ("rebuild", "tokens")):
+            for r in self.results.get(section, []):
+                if r["batch"] == batch and r["attn"] == attn and (section, r[key]) in wanted:
+                    out.append(dict(r, section=section))
+        return out
+
+    def engine_generate(self, gamma: int, attn: str, new_tokens: int) -> None:
+        """The engine end to end: transfers per round counted, no implicit transfer allowed."""
+        from eagle3_jax import engine as engine_lib
+
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, attn_impl=attn)
+        fetches = []
+        real_fetch = engine_lib._fetch
+        engine_lib._fetch = lambda x: fetches.append(x.shape) or real_fetch(x)
+        try:
+            prompt = [list(range(5, 5 + 16))]
+            engine.generate(prompt, 4)  # compile
+            fetches.clear()
+            with jax.transfer_guard("disallow"):
+                start = time.perf_counter()
+                (result,) = engine.generate(prompt, new_tokens)
+                seconds = time.perf_counter() - start
+        finally:
+            engine_lib._fetch = real_fetch
+        rounds = len(result.accept_lengths)
+        self.results["engine"] = {
+            "gamma": gamma, "attn": attn, "tokens": len(result.token_ids), "rounds": rounds,
+            "tokens_per_s": len(result.token_ids) / seconds, "tau": len(result.token_ids[1:]) / max(rounds, 1),
+            "device_to_host_transfers": len(fetches), "transfers_per_round": len(fetches) / (rounds + 1),
+            "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
+            "round_compilations": engine._round._cache_size(),
+        }
+        print("engine", json.dumps(self.results["engine"]), flush=True)
+        self.save()
+
+    def peer(self, prompt_len: int, new_tokens: int) -> None:
+        """transformers' generate on the same config and device, eager, random weights."""
+        import torch
+        from transformers import Qwen3Config as HFConfig
+        from transformers import Qwen3ForCausalLM
+
+        t = self.plan.target
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cfg = HFConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                       num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
+                       head_dim=t.head_dim, tie_word_embeddings=False, max_position_embeddings=t.max_position_embeddings)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(previous)
+        prompt = torch.randint(0, t.vocab_size, (1, prompt_len), device=device)
+        kwargs = dict(do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        self.results["peer"] = {"name": "transformers generate (eager)", "tokens_per_s": new_tokens / seconds,
+                                "ms_per_token": seconds / new_tokens * 1e3, "torch": torch.__version__}
+        print("peer", json.dumps(self.results["peer"]), flush=True)
+        self.save()
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    def run(self) -> dict:
+        plan, primary = self.plan, self.attn[0]
+        self.ceilings()
+        first_batch, first_len = plan.batches[0], plan.kv_lengths[0]
+        for attn in self.attn:
+            if self.time_left(f"decode b{first_batch} l{first_len} {attn}"):
+                self.decode(first_batch, first_len, attn)
+        mid = plan.gammas[len(plan.gammas) // 2]
+        b = plan.spec_batches[0]
+        self._spec_set(b, mid, primary)
+        if self.time_left("engine"):
+            self.engine_generate(mid, primary, 48)
+        if self.time_left("peer"):
+            self.peer(prompt_len=128, new_tokens=32)
+        for batch in plan.batches:
+            for length in plan.kv_lengths:
+                if (batch, length) != (first_batch, first_len) and self.time_left(f"decode b{batch} l{length}"):
+                    self.decode(batch, length, primary)
+        for batch in plan.spec_batches:
+            for gamma in plan.gammas:
+                if (batch, gamma) != (b, mid):
+                    self._spec_set(batch, gamma, primary)
+        return self.results
+
+    def _spec_set(self, batch: int, gamma: int, attn: str) -> None:
+        if batch == self.plan.spec_batches[0] and not any(r["batch"] == batch for r in self.results.get("draft_step", [])):
+            if self.time_left(f"draft_step b{batch}"):
+                self.draft_step(batch, attn)
+        for label, fn in (("verify", lambda: self.verify(batch, gamma + 1, attn)),
+                          ("chain", lambda: self.chain(batch, gamma, attn)),
+                          ("rebuild", lambda: self.rebuild(batch, gamma + 1, attn)),
+                          ("round", lambda: self.round(batch, gamma, attn))):
+            if self.time_left(f"{label} b{batch} g{gamma}"):
+                fn()
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+           "device": str(jax.devices()[0].device_kind)}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def summary(results: dict) -> str:
+    """The headline table: each step against its floor and against the spec-off step."""
+    lines = [f"device {results['versions']['device']}, jax {results['versions']['jax']}, "
+             f"copy {results['ceilings']['copy_tbps']:.2f} TB/s, matmul {results['ceilings']['matmul_tflops']:.0f} TFLOP/s"]
+    lines.append(f"{'step':34s} {'ms':>9s} {'floor ms':>9s} {'x floor':>8s} {'compile s':>9s}")
+    for section in ("decode", "verify", "draft_step", "chain", "rebuild", "round"):
+        for r in results.get(section, []):
+            keys = [f"{k}={r[k]}" for k in ("batch", "kv_len", "tokens", "gamma", "attn") if k in r]
+            label = f"{section} {' '.join(keys)}"
+            lines.append(f"{label:34s} {r['time_ms']:9.3f} {r['floor_ms']:9.3f} {r['ratio']:8.2f} {r['compile_s']:9.1f}")
+            if section == "round" and "overhead" in r:
+                proj = ", ".join(f"tau {k}: {v:.0f}" for k, v in r["projected_tokens_per_s"].items())
+                lines.append(f"{'':34s} overhead beyond parts {r['overhead'] * 100:+.1f}%; projected tok/s {proj}; "
+                             f"spec-off {r.get('spec_off_tokens_per_s', float('nan')):.0f}")
+    if "engine" in results:
+        e = results["engine"]
+        lines.append(f"engine: {e['transfers_per_round']:.2f} device-to-host transfers per round, "
+                     f"{e['round_compilations']} round compilation(s), {e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
+    if "peer" in results:
+        lines.append(f"peer: {results['peer']['name']}: {results['peer']['tokens_per_s']:.1f} tok/s")
+    if results["skipped"]:
+        lines.append(f"skipped for time: {', '.join(results['skipped'])}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{s} " + " ".join(str(r.get(k, "")) for k in ("batch", "kv_len", "tokens", "gamma")), r["ratio"])
+            for s in ("decode", "verify", "draft_step", "chain", "rebuild", "round") for r in results.get(s, [])]
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * len(rows))))
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color="tab:blue")
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xlabel("time / memory-bandwidth floor")
+    ax.set_title(f"eagle3-jax on {results['versions']['device']}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3-jax bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
+    parser.add_argument("--attn", nargs="+", help="attention implementations to compare (first is used throughout)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
+    args = parser.parse_args(argv)
+    tiny = args.tiny or jax.default_backend() == "cpu"
+    plan = tiny_plan() if tiny else qwen3_8b_plan()
+    attn = tuple(args.attn or (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
+    # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    out = Path(args.out)
+    bench = Bench(plan, attn, args.budget_s, dtype, out)
+    bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
+                                                     "drafter": dataclasses.asdict(plan.drafter)})
+    results = bench.run()
+    bench.save()
+    try:
+        plot(results, out / "bench.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    # Leave GPU memory to the transformers peer measured in the same process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The benchmark at tiny shapes on the CPU: every section runs and the JSON has its fields (times are
+not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
+
+import json
+
+from eagle3_jax import bench
+
+
+def test_bench_smoke(tmp_path):
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--attn", "xla"]) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == []
+    assert {"copy_tbps", "matmul_tflops"} <= set(results["ceilings"])
+    for section in ("decode", "verify", "draft_step", "chain", "rebuild", "round"):
+        assert results[section], section
+        for row in results[section]:
+            assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0 and row["compile_s"] > 0
+    assert {(r["batch"], r["kv_len"]) for r in results["decode"]} == {(1, 32), (2, 32)}
+    assert {r["tokens"] for r in results["verify"]} == {2, 4}
+    for r in results["round"]:
+        assert set(r["parts_ms"]) == {"verify", "chain", "rebuild"} and "overhead" in r
+        assert list(r["projected_tokens_per_s"]) == [str(t) for t in range(1, r["gamma"] + 2)]
+    engine = results["engine"]
+    assert engine["transfers_per_round"] == 1.0 and engine["round_compilations"] == 1
+    assert results["peer"]["tokens_per_s"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 1000
