@@ -238,6 +238,24 @@ def _chain(params, embed, h, cache, *, cfg, gamma, attn):
     return cache, drafts
 
 
+def _forward_only(params, tokens, cache, *, cfg, attn):
+    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), attn)
+    return cache, hidden
+
+
+def _matmuls_only(params, x, state, *, cfg):
+    """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
+    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
+    can reach."""
+    N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    for layer in params["layers"]:
+        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
+        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
+        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
+        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
+    return state + 1, target_lib.logits(params, x).argmax(-1)
+
+
 def _jit_step(fn, num_args, **static):
     """jit with the state (last argument) donated, so the step updates its buffers in place."""
     return jax.jit(functools.partial(fn, **static), donate_argnums=(num_args - 1,))
@@ -247,40 +265,47 @@ def _jit_step(fn, num_args, **static):
 
 
 class Bench:
-    def __init__(self, plan: Plan, attn: tuple[str, ...], budget_s: float, dtype, out: Path):
+    def __init__(self, plan: Plan, attn: tuple[str, ...], budget_s: float, dtype, out: Path | None,
+                 target: Target | None = None, drafter: Drafter | None = None):
+        """Random weights at the plan's shapes, unless a loaded target and drafter are given."""
         self.plan, self.attn, self.dtype, self.out = plan, attn, dtype, out
         self.deadline = time.perf_counter() + budget_s
         self.results: dict = {"skipped": []}
         t0 = time.perf_counter()
-        self.tparams = random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
-        self.dparams = random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
+        self.tparams = target.params if target else random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
+        self.dparams = drafter.params if drafter else random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
         jax.block_until_ready((self.tparams, self.dparams))
         self.results["init_s"] = time.perf_counter() - t0
-        self.target = Target(plan.target, self.tparams, folder=None)
-        self.drafter = Drafter(plan.drafter, self.dparams, folder=None)
-        self.bw = None
+        self.target = target or Target(plan.target, self.tparams, folder=None)
+        self.drafter = drafter or Drafter(plan.drafter, self.dparams, folder=None)
+        self.bw = None  # TB/s, once the ceilings are measured
+
+    def log(self, line: str) -> None:
+        if self.out is not None:  # the command-line run reports as it goes; time_parts stays quiet
+            print(line, flush=True)
 
     def time_left(self, label: str) -> bool:
         if time.perf_counter() < self.deadline:
             return True
         self.results["skipped"].append(label)
-        print(f"skipped (time budget): {label}", flush=True)
+        self.log(f"skipped (time budget): {label}")
         return False
 
     def floor_s(self, nbytes_read: int) -> float:
-        return nbytes_read / (self.bw * 1e12)
+        return nbytes_read / (self.bw * 1e12) if self.bw else float("nan")
 
     def row(self, section: str, entry: dict, seconds: float, read: int, compile_s: float) -> dict:
         entry.update(time_ms=seconds * 1e3, floor_ms=self.floor_s(read) * 1e3, ratio=seconds / self.floor_s(read),
                      bytes_read=read, compile_s=compile_s)
         self.results.setdefault(section, []).append(entry)
         self.save()
-        print(f"{section:12s} {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})}",
-              flush=True)
+        self.log(f"{section:12s} {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})}")
         return entry
 
     def save(self) -> None:
         """Written after every measurement, so a run cut short still leaves its numbers."""
+        if self.out is None:
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "bench.json").write_text(json.dumps(self.results, indent=1, default=str))
 
@@ -288,7 +313,7 @@ class Bench:
         self.results["ceilings"] = copy = measure_copy_bandwidth(self.plan.copy_bytes)
         copy["matmul_tflops"] = measure_matmul(self.plan.matmul_n)
         self.bw = copy["copy_tbps"]
-        print("ceilings", json.dumps(copy), flush=True)
+        self.log(f"ceilings {json.dumps(copy)}")
 
     def _kv(self, cfg_layers, kv_heads, head_dim, batch, length):
         return kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
@@ -358,8 +383,10 @@ class Bench:
 
     def round(self, batch: int, gamma: int, attn: str) -> None:
         L = self.plan.spec_kv_length
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=L + 64 * 8, attn_impl=attn)
-        state = decode_state(self.plan, batch, L, L + 64 * 8, self.dtype, with_drafter=True)
+        # Room for the rounds timed (about one token each with random weights) to stay near length L.
+        capacity = min(L + 512, self.plan.target.max_position_embeddings)
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, attn_impl=attn)
+        state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
         compiled, compile_s = compile_timed(engine._round, self.tparams, self.dparams, state)
         seconds, _ = time_chain(lambda s: compiled(self.tparams, self.dparams, s), state, (), self.plan)
         parts = {r["section"]: r["time_ms"] for r in self._parts(batch, gamma, attn)}
@@ -383,6 +410,36 @@ class Bench:
                 if r["batch"] == batch and r["attn"] == attn and (section, r[key]) in wanted:
                     out.append(dict(r, section=section))
         return out
+
+    def variants(self, batch: int, length: int, attn: str) -> None:
+        """Where a decode step's time goes: the full step, the step without lm_head and argmax, and the
+        matmuls alone; with the number of kernels XLA emits for each."""
+        t = self.plan.target
+        out = {}
+        cache = random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
+        tokens = jnp.zeros((batch, 1), jnp.int32) + 3
+        for name, step, args in (
+            ("forward_no_head", _jit_step(_forward_only, 3, cfg=t, attn=attn), (self.tparams, tokens)),
+            ("matmuls_only", _jit_step(_matmuls_only, 3, cfg=t),
+             (self.tparams, _normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
+        ):
+            state = cache if name != "matmuls_only" else jnp.zeros((), jnp.int32)
+            compiled, compile_s = compile_timed(step, *args, state)
+            seconds, state = time_chain(compiled, state, args, self.plan)
+            if name != "matmuls_only":
+                cache = state
+            out[name] = {"time_ms": seconds * 1e3, "kernels": _kernel_count(compiled)}
+        engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
+        state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
+        compiled, _ = compile_timed(engine._round, self.tparams, None, state)
+        seconds, _ = time_chain(lambda s: compiled(self.tparams, None, s), state, (), self.plan)
+        out["step"] = {"time_ms": seconds * 1e3, "kernels": _kernel_count(compiled)}
+        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
+        entry = {"batch": batch, "kv_len": length, "attn": attn, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                 "floor_ms": self.floor_s(read) * 1e3, **out}
+        self.results.setdefault("variants", []).append(entry)
+        self.log(f"variants {json.dumps(entry)}")
+        self.save()
 
     def engine_generate(self, gamma: int, attn: str, new_tokens: int) -> None:
         """The engine end to end: transfers per round counted, no implicit transfer allowed."""
@@ -410,7 +467,7 @@ class Bench:
             "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
             "round_compilations": engine._round._cache_size(),
         }
-        print("engine", json.dumps(self.results["engine"]), flush=True)
+        self.log(f"engine {json.dumps(self.results['engine'])}")
         self.save()
 
     def peer(self, prompt_len: int, new_tokens: int) -> None:
@@ -444,7 +501,7 @@ class Bench:
             seconds = time.perf_counter() - start
         self.results["peer"] = {"name": "transformers generate (eager)", "tokens_per_s": new_tokens / seconds,
                                 "ms_per_token": seconds / new_tokens * 1e3, "torch": torch.__version__}
-        print("peer", json.dumps(self.results["peer"]), flush=True)
+        self.log(f"peer {json.dumps(self.results['peer'])}")
         self.save()
         del model
         if device == "cuda":
@@ -484,6 +541,37 @@ class Bench:
                           ("round", lambda: self.round(batch, gamma, attn))):
             if self.time_left(f"{label} b{batch} g{gamma}"):
                 fn()
+
+
+def _kernel_count(compiled) -> int:
+    """Kernels (fusions and library calls) in the optimised HLO's entry computation."""
+    text = compiled.as_text()
+    entry = text[text.find("ENTRY"):]
+    return sum(line.count(" fusion(") + line.count(" custom-call(") for line in entry.splitlines())
+
+
+def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 256, batch: int = 1,
+               attn: str | None = None, reps: int = 5, inner: int = 5, with_floor: bool = False) -> dict:
+    """Times a speculative round and its parts for loaded models on the current device (for notebooks):
+    the spec-off step, one draft step, the draft chain, the verify step, the rebuild and the round, in ms.
+    with_floor also measures the copy bandwidth so each row carries its memory-bandwidth floor."""
+    from eagle3_jax.attention import default_impl
+
+    plan = dataclasses.replace(tiny_plan(), target=target.config, drafter=drafter.config, batches=(batch,),
+                               kv_lengths=(kv_length,), spec_batches=(batch,), spec_kv_length=kv_length,
+                               gammas=(gamma,), reps=reps, inner=inner, copy_bytes=256 << 20)
+    dtype = target.params["embed"].dtype
+    bench = Bench(plan, (attn or default_impl(),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
+    if with_floor:
+        bench.ceilings()
+    impl = bench.attn[0]
+    bench.decode(batch, kv_length, impl)
+    bench.draft_step(batch, impl)
+    bench.verify(batch, gamma + 1, impl)
+    bench.chain(batch, gamma, impl)
+    bench.rebuild(batch, gamma + 1, impl)
+    bench.round(batch, gamma, impl)
+    return {s: bench.results[s][0] for s in ("decode", "draft_step", "verify", "chain", "rebuild", "round")}
 
 
 def versions() -> dict:
@@ -548,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn", nargs="+", help="attention implementations to compare (first is used throughout)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     args = parser.parse_args(argv)
     tiny = args.tiny or jax.default_backend() == "cpu"
     plan = tiny_plan() if tiny else qwen3_8b_plan()
@@ -558,13 +648,22 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(plan, attn, args.budget_s, dtype, out)
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
                                                      "drafter": dataclasses.asdict(plan.drafter)})
-    results = bench.run()
+    if args.variants_only:
+        bench.ceilings()
+        for attn_impl in attn:
+            bench.variants(plan.batches[0], plan.kv_lengths[0], attn_impl)
+        results = bench.results
+    else:
+        results = bench.run()
     bench.save()
     try:
         plot(results, out / "bench.png")
     except ImportError:
         print("matplotlib not installed: no plot")
     print(summary(results))
+    for v in results.get("variants", []):
+        parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernels']} kernels)" for k in ("step", "forward_no_head", "matmuls_only"))
+        print(f"variants b{v['batch']} l{v['kv_len']} {v['attn']} [{v['xla_flags']}]: floor {v['floor_ms']:.3f} ms; {parts}")
     return 0
 
 

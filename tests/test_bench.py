@@ -24,3 +24,14 @@ def test_bench_smoke(tmp_path):
     assert engine["transfers_per_round"] == 1.0 and engine["round_compilations"] == 1
     assert results["peer"]["tokens_per_s"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_time_parts_of_loaded_models(tmp_path):
+    import spec_worlds as worlds
+
+    _, target = worlds.save_target("permutation", tmp_path / "t")
+    _, _, drafter = worlds.save_drafter("pi2", tmp_path / "d", target)
+    parts = bench.time_parts(target, drafter, gamma=2, kv_length=24, reps=2, inner=2, with_floor=True)
+    assert set(parts) == {"decode", "draft_step", "verify", "chain", "rebuild", "round"}
+    assert parts["verify"]["tokens"] == 3 and parts["round"]["gamma"] == 2
+    assert all(p["time_ms"] > 0 and p["floor_ms"] > 0 for p in parts.values())
