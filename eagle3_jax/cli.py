@@ -89,10 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     conv.add_argument("--drafter-of", metavar="TARGET", help="SRC is an EAGLE-3 drafter for this target folder")
     conv.set_defaults(func=_convert)
+    # `bench` hands its arguments to eagle3_jax.bench (see `eagle3-jax bench --help`).
+    sub.add_parser("bench", help="benchmark at Qwen3-8B shapes (tiny shapes on the CPU)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from eagle3_jax import bench
+
+        return bench.main(argv[1:])
     args = build_parser().parse_args(argv)
     from eagle3_jax.errors import CheckpointError
 

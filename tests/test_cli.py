@@ -67,3 +67,11 @@ def test_convert_script_and_command(folders, tmp_path):
     (result,) = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=64).generate([[3, 17, 5]], 6)
     assert result.accept_lengths == [1] * len(result.accept_lengths) and len(result.token_ids) == 6
     assert np.array_equal(np.asarray(target.params["embed"]), np.eye(worlds.V, dtype=np.float32) * np.float32(0.7))
+
+
+def test_bench_subcommand(tmp_path):
+    import json
+
+    assert main(["bench", "--variants-only", "--attn", "xla", "--out", str(tmp_path)]) == 0
+    variants = json.loads((tmp_path / "bench.json").read_text())["variants"]
+    assert {"step", "forward_no_head", "matmuls_only"} <= set(variants[0])
