@@ -64,7 +64,7 @@ def _hf_expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_dtype(dtype: str) -> jnp.dtype:
+def check_dtype(dtype: str) -> jnp.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return jnp.dtype(dtype)
@@ -73,7 +73,7 @@ def _check_dtype(dtype: str) -> jnp.dtype:
 def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True) -> Target:
     """Loads a Qwen3 target from a Hugging Face folder or an orbax folder written by `convert`."""
     folder = Path(path)
-    jdtype = _check_dtype(dtype)
+    jdtype = check_dtype(dtype)
     cfg = Qwen3Config.from_file(folder / "config.json")
     if (folder / ORBAX_MARKER).exists():
         return Target(cfg, _load_orbax(folder, cfg, jdtype), folder)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import safetensors_io
-from eagle3_jax.checkpoint import ORBAX_MARKER, Target, _check_dtype
+from eagle3_jax.checkpoint import ORBAX_MARKER, Target, check_dtype
 from eagle3_jax.config import RopeConfig, parse_rope, read_json
 from eagle3_jax.drafter import DrafterConfig
 from eagle3_jax.errors import CheckpointError
@@ -264,7 +264,7 @@ def _params(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarray], dty
 def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> Drafter:
     """Loads an EAGLE-3 drafter for `target` (Hugging Face formats above, or a `convert_drafter` folder)."""
     folder = Path(path)
-    jdtype = _check_dtype(dtype)
+    jdtype = check_dtype(dtype)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: drafter folder not found")
     if (folder / ORBAX_MARKER).exists():

@@ -141,6 +141,8 @@ class Engine:
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple, np.ndarray)):
+                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) > self.max_len:

@@ -43,6 +43,8 @@ def power(k: int) -> np.ndarray:
 
 
 def _hf_target(kind: str):
+    if kind == "random2":  # another shape: GQA 4, head_dim 8 != hidden / heads
+        return build_model("gqa4_sharded", seed=12, num_layers=LAYERS, vocab=V, hidden=D)
     model = build_model("gqa2_headdim", seed=11, num_layers=LAYERS, vocab=V, hidden=D)
     if kind == "random":
         return model
@@ -68,12 +70,18 @@ SPEC = oracle.DraftSpec(hidden_size=D, intermediate_size=64, num_heads=4, num_kv
                         target_hidden_size=D, target_vocab_size=V, draft_vocab_size=V)
 RANDOM_SPEC = oracle.DraftSpec(hidden_size=D, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                                target_hidden_size=D, target_vocab_size=V, draft_vocab_size=32)
+# A speculators-format drafter with a Qwen3-style layer and norm_before_residual, MHA, head_dim 12.
+RANDOM2_SPEC = oracle.DraftSpec(hidden_size=D, intermediate_size=40, num_heads=2, num_kv_heads=2, head_dim=12,
+                                target_hidden_size=D, target_vocab_size=V, draft_vocab_size=40,
+                                norm_before_residual=True, qk_norm=True)
 
 
 def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
     """kind: "random", "constant" (always drafts 0) or "pi2" / "pi1" / "pi3" (predicts pi^k(x_t))."""
     if kind == "random":
         return RANDOM_SPEC, oracle.random_drafter_state(RANDOM_SPEC, seed)
+    if kind == "random2":
+        return RANDOM2_SPEC, oracle.random_drafter_state(RANDOM2_SPEC, seed)
     state = oracle.random_drafter_state(SPEC, seed)
     state["midlayer.self_attn.o_proj.weight"].zero_()
     state["midlayer.mlp.down_proj.weight"].zero_()
@@ -90,5 +98,6 @@ def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
 
 def save_drafter(kind: str, folder, target, seed: int = 1):
     spec, state = drafter_state(kind, seed)
-    oracle.write_specforge(folder, spec, state)
+    writer = oracle.write_speculators if kind == "random2" else oracle.write_specforge
+    writer(folder, spec, state)
     return spec, state, eagle3_jax.load_drafter(folder, target, dtype="float32")

@@ -20,10 +20,10 @@ def world(tmp_path_factory):
     """All targets and drafters, built once."""
     root = tmp_path_factory.mktemp("worlds")
     out = {}
-    for kind in ("permutation", "constant", "random"):
+    for kind in ("permutation", "constant", "random", "random2"):
         out["t:" + kind] = worlds.save_target(kind, root / kind)
     for target_kind, drafter_kind in [("permutation", "pi1"), ("permutation", "pi2"), ("permutation", "pi3"),
-                                      ("constant", "constant"), ("random", "random")]:
+                                      ("constant", "constant"), ("random", "random"), ("random2", "random2")]:
         out["d:" + drafter_kind] = worlds.save_drafter(drafter_kind, root / drafter_kind, out["t:" + target_kind][1])
     return out
 
@@ -33,8 +33,9 @@ def spec_off(target, prompts, max_new, max_len=128, stops=()):
 
 
 @pytest.mark.parametrize("gamma", GAMMAS)
-@pytest.mark.parametrize("target_kind, drafter_kind", [("random", "random"), ("permutation", "pi2"),
-                                                        ("permutation", "pi1"), ("constant", "constant")])
+@pytest.mark.parametrize("target_kind, drafter_kind", [("random", "random"), ("random2", "random2"),
+                                                        ("permutation", "pi2"), ("permutation", "pi1"),
+                                                        ("constant", "constant")])
 def test_lossless_for_every_gamma(world, gamma, target_kind, drafter_kind):
     target = world["t:" + target_kind][1]
     drafter = world["d:" + drafter_kind][2]
@@ -135,6 +136,17 @@ def test_stops_and_max_new_inside_accepted_spans(world):
         assert result.token_ids == reference.token_ids == full.token_ids[: cut + 1] and result.finish_reason == "stop"
         (result,) = engine.generate([PROMPTS[0]], cut)
         assert result.token_ids == full.token_ids[:cut] and result.finish_reason == "length"
+
+
+def test_round_updates_caches_in_place(world):
+    """The round donates its state: the caches it was given are consumed, not copied."""
+    target, drafter = world["t:random"][1], world["d:random"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
+    batch = engine._prepare(PROMPTS, 8, ())
+    state, _ = engine._prefill(target.params, drafter.params, *batch)
+    new_state, _ = engine._round(target.params, drafter.params, state)
+    assert all(x.is_deleted() for x in state.target_cache.k + state.target_cache.v + state.draft_cache.k)
+    assert not any(x.is_deleted() for x in new_state.target_cache.k)
 
 
 def test_one_transfer_per_round_and_no_recompile(world, monkeypatch):
