@@ -11,11 +11,18 @@ import jax
 import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("xla", "pallas")
+_DECODE_KERNEL_MAX_TOKENS = 16  # decode/verify/rebuild steps; longer runs (prefill) use the flash kernel
 
 
-def default_impl() -> str:
-    """Pallas on GPU, XLA elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def pallas_supports(head_dim: int) -> bool:
+    """The kernels' Triton block shapes need a power-of-two head_dim of at least 16 (Qwen3: 128)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def default_impl(*head_dims: int) -> str:
+    """Pallas on GPU when the kernels support every head_dim given, XLA elsewhere."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "pallas" if on_gpu and all(pallas_supports(h) for h in head_dims) else "xla"
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, impl: str) -> jax.Array:
@@ -24,11 +31,12 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Arra
     if impl == "xla":
         return xla_attention(q, k_cache, v_cache, start, scale=scale)
     if impl == "pallas":
-        from pallas_kernels import attention as kernels
+        import pallas_kernels
 
-        if q.shape[1] > kernels.MAX_DECODE_QUERIES:
-            return kernels.prefill_attention(q, k_cache, v_cache, start, scale=scale)
-        return kernels.decode_attention(q, k_cache, v_cache, start, scale=scale)
+        # Off the GPU the same kernels run in Pallas' interpreter (slow; for tests).
+        interpret = jax.default_backend() != "gpu"
+        kernel = pallas_kernels.decode_attention if q.shape[1] <= _DECODE_KERNEL_MAX_TOKENS else pallas_kernels.prefill_attention
+        return kernel(q, k_cache, v_cache, start, scale=scale, interpret=interpret)
     raise ValueError(f"attention impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
 
 

@@ -279,6 +279,7 @@ class Bench:
         self.target = target or Target(plan.target, self.tparams, folder=None)
         self.drafter = drafter or Drafter(plan.drafter, self.dparams, folder=None)
         self.bw = None  # TB/s, once the ceilings are measured
+        self.with_peer = True
 
     def log(self, line: str) -> None:
         if self.out is not None:  # the command-line run reports as it goes; time_parts stays quiet
@@ -441,6 +442,36 @@ class Bench:
         self.log(f"variants {json.dumps(entry)}")
         self.save()
 
+    def attention_agreement(self, gamma: int, new_tokens: int) -> None:
+        """Greedy and speculative output with the Pallas kernels against XLA attention, and the target's
+        logit margin (top 1 - top 2, XLA path) at the first token where they differ, if any."""
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, self.plan.target.vocab_size, n).tolist() for n in (40, 25)]
+        report = {}
+        for label, drafter in (("spec_off", None), (f"gamma_{gamma}", self.drafter)):
+            outs = {impl: [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
+                                                       attn_impl=impl).generate(prompts, new_tokens)]
+                    for impl in ("xla", "pallas")}
+            rows = []
+            for prompt, a, b in zip(prompts, outs["xla"], outs["pallas"]):
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                row = {"identical": a == b, "tokens": len(a)}
+                if first is not None:
+                    row.update(first_difference=first, margin=self._margin(prompt + a[:first]))
+                rows.append(row)
+            report[label] = rows
+        self.results["attention_agreement"] = report
+        self.log(f"attention_agreement {json.dumps(report)}")
+        self.save()
+
+    def _margin(self, tokens: list[int]) -> float:
+        cfg = self.plan.target
+        cache = target_lib.new_cache(cfg, 1, len(tokens), self.dtype)
+        hidden, _, _ = jax.jit(target_lib.forward, static_argnums=(1, 4, 5))(
+            self.tparams, cfg, jnp.asarray([tokens], jnp.int32), cache, (), "xla")
+        top = jax.lax.top_k(target_lib.logits(self.tparams, hidden[0, -1]), 2)[0]
+        return float(top[0] - top[1])
+
     def engine_generate(self, gamma: int, attn: str, new_tokens: int) -> None:
         """The engine end to end: transfers per round counted, no implicit transfer allowed."""
         from eagle3_jax import engine as engine_lib
@@ -514,12 +545,14 @@ class Bench:
         for attn in self.attn:
             if self.time_left(f"decode b{first_batch} l{first_len} {attn}"):
                 self.decode(first_batch, first_len, attn)
+        if {"xla", "pallas"} <= set(self.attn) and self.time_left("attention agreement"):
+            self.attention_agreement(gamma=3, new_tokens=24)
         mid = plan.gammas[len(plan.gammas) // 2]
         b = plan.spec_batches[0]
         self._spec_set(b, mid, primary)
         if self.time_left("engine"):
             self.engine_generate(mid, primary, 48)
-        if self.time_left("peer"):
+        if self.with_peer and self.time_left("peer"):
             self.peer(prompt_len=128, new_tokens=32)
         for batch in plan.batches:
             for length in plan.kv_lengths:
@@ -561,7 +594,7 @@ def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 25
                                kv_lengths=(kv_length,), spec_batches=(batch,), spec_kv_length=kv_length,
                                gammas=(gamma,), reps=reps, inner=inner, copy_bytes=256 << 20)
     dtype = target.params["embed"].dtype
-    bench = Bench(plan, (attn or default_impl(),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
+    bench = Bench(plan, (attn or default_impl(target.config.head_dim, drafter.config.head_dim),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
     if with_floor:
         bench.ceilings()
     impl = bench.attn[0]
@@ -636,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn", nargs="+", help="attention implementations to compare (first is used throughout)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
+    parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     args = parser.parse_args(argv)
@@ -646,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
     bench = Bench(plan, attn, args.budget_s, dtype, out)
+    bench.with_peer = not args.no_peer
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
                                                      "drafter": dataclasses.asdict(plan.drafter)})
     if args.variants_only:

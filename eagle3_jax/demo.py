@@ -23,7 +23,7 @@ VOCAB = HIDDEN = 256
 LAYERS = 8
 
 
-def _permutation(seed: int = 0) -> np.ndarray:
+def permutation(seed: int = 0) -> np.ndarray:
     order = np.random.default_rng(seed).permutation(VOCAB)
     pi = np.empty(VOCAB, np.int64)
     pi[order] = np.roll(order, -1)  # one cycle through the whole vocabulary
@@ -102,7 +102,7 @@ def _timed(engine, prompts, max_new):
 def main() -> None:
     import eagle3_jax
 
-    pi = _permutation()
+    pi = permutation()
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28]]
     max_new = 64
     with tempfile.TemporaryDirectory() as tmp:

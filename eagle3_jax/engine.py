@@ -71,9 +71,12 @@ class Engine:
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
-        impl = attn_impl or attention.default_impl()
+        head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
+        impl = attn_impl or attention.default_impl(*head_dims)
         if impl not in attention.IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {attention.IMPLEMENTATIONS}, got {impl!r}")
+        if impl == "pallas" and not all(attention.pallas_supports(h) for h in head_dims):
+            raise ValueError(f"attn_impl='pallas' needs power-of-two head_dims >= 16, got {head_dims}")
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         self.target, self.drafter, self.max_len = target, drafter, max_len

@@ -1,0 +1,44 @@
+"""Pallas GPU attention kernels for EAGLE-3 decode, verify and prefill.
+
+  attention_reference(q, k_cache, v_cache, start, *, scale)     plain jnp
+  decode_attention(..., *, scale, interpret=False, **DecodeConfig fields)
+  prefill_attention(..., *, scale, interpret=False, **PrefillConfig fields)
+
+q [B, T, N, H]; caches [B, K, S, H] already holding the T new tokens at
+start .. start + T - 1; start [B] int32. Both kernels read only keys below
+start + T (masked loads), clamp rows with start + T > S, and run one
+(prefill, or decode with one split) or two (decode with splits) kernel
+launches per call, with no XLA ops around them.
+
+Lowering: Pallas's Triton backend (pl.pallas_call with
+pltriton.CompilerParams), not Mosaic GPU. Why:
+- It works on both JAX versions the project meets: 0.10.2 (CPU, tests) and
+  0.11.2 (H200). In 0.11 it is deprecated (a "jax-pallas-triton"
+  DeprecationWarning at lowering) but present; passing Triton CompilerParams
+  selects it although jax_pallas_use_mosaic_gpu now defaults to True.
+- pallas_call(interpret=True) runs these kernels unchanged on the CPU through
+  the generic interpreter, so every mask, split and row mapping is tested
+  there (tests/test_pallas_attention.py); lowering to Triton IR can also be
+  checked on a CPU with .lower(lowering_platforms=("cuda",)).
+- Masked loads with a dynamic trip count (scf.for, software-pipelined by
+  Triton's num_stages) give exactly "read keys < start + T, never garbage".
+  In Mosaic GPU the TMA moves fixed boxes (a tail block would pull garbage,
+  possibly NaN, into shared memory and need extra masking) and wgmma wants
+  64-row tiles where decode has T * G = 4..32 query rows; that kernel could
+  not be written and validated within this task's three device runs.
+- It measured well enough (H200, bf16, Qwen3-8B heads, see BENCHMARKS.md):
+  decode/verify kernels read K/V at 4.3-4.6 TB/s (above a 4 GiB copy
+  kernel's 4.26) at B >= 8 and 16k+ keys and 3.3-3.6 TB/s at B = 1, 32k;
+  faster than plain XLA at all 36 decode/verify shapes; prefill 214 / 363
+  TFLOP/s at 2k / 8k (cuDNN 271 / 509).
+When Triton is removed from Pallas, the kernels' structure (rows = tokens x
+group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
+"""
+
+from pallas_kernels.attention import (
+    DecodeConfig,
+    PrefillConfig,
+    attention_reference,
+    decode_attention,
+    prefill_attention,
+)

@@ -1,0 +1,124 @@
+"""Pieces shared by the decode and prefill kernels: rows and softmax steps.
+
+Rows: each kernel program owns one KV head h and a tile of "rows", where row
+r = t * G + g is query token t of query head h * G + g (G = N // K). Grouping
+all G heads of a KV head into the rows of one tile is what lets a program read
+that head's K/V once for all of them; the token of row r is r // G, which the
+causal mask needs. Rows are gathered straight from q's [T, G, H] block and
+scattered into the output's, so no transpose runs outside the kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Running max before any key is seen. Finite on purpose: a row whose keys are
+# all masked in a block keeps m = -1e30, so exp(s - m) = exp(-inf) = 0 and
+# exp(m_old - m_new) = 1, never exp(-inf - -inf) = NaN.
+M_INIT = -1e30
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def gather_rows(q_ref, rows):
+    """q_ref [T, G, H] -> [M, H], row r = t * G + g for rows [M].
+
+    Rows past T * G (padding up to a power of 2) repeat token T - 1, so they
+    load in bounds and compute finite values that are never stored.
+    """
+    T, G, H = q_ref.shape
+    t = token_of(rows, T, G)
+    return q_ref[t[:, None], (rows % G)[:, None], jnp.arange(H)[None, :]]
+
+
+def scatter_rows(o_ref, rows, value):
+    """Stores value [M, H] into o_ref [T, G, H] at the rows r < T * G."""
+    T, G, H = o_ref.shape
+    # Padding rows index past T and are masked off; they must not be clamped
+    # onto real rows (interpret mode would then write the slot twice).
+    window = o_ref.at[(rows // G)[:, None], (rows % G)[:, None], jnp.arange(H)[None, :]]
+    pltriton.store(window, value.astype(o_ref.dtype), mask=(rows < T * G)[:, None])
+
+
+def token_of(rows, num_tokens, group):
+    """Token index of each row, padding rows clamped to the last token."""
+    return jnp.minimum(rows // group, num_tokens - 1)
+
+
+def online_softmax_step(carry, s, v, visible=None):
+    """One flash-attention step over a KV block.
+
+    carry: acc [M, H] f32 (unnormalized output), m [M] f32 (running max),
+    l [M] f32 (running sum). s: [M, bk] f32 scaled logits; v: [bk, H];
+    visible: [M, bk] bool, or None where every key is visible to every row.
+    """
+    acc, m, l = carry
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l = l * alpha + p.sum(axis=1)
+    pv = pltriton.dot(p.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+    return acc * alpha[:, None] + pv, m_new, l
+
+
+def init_carry(num_rows: int, head_dim: int):
+    return (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), M_INIT, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+
+
+def qk_logits(q, k, scale: float):
+    """q [M, H] @ k[bk, H]^T -> [M, bk] f32, scaled (IEEE f32 for f32 inputs)."""
+    s = pltriton.dot(q, k, trans_b=True, precision=jax.lax.Precision.HIGHEST)
+    return s * scale
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def masked_kv_step(q, k_ref, v_ref, i, carry, *, block_k, length, last_key, scale):
+    """Step over KV block i where some keys are hidden from some rows.
+
+    q: [M, H]; k_ref, v_ref: [S, H]; length: keys in use (start + T clamped to
+    S); last_key: [M] last key position each row sees. Keys >= length are never
+    loaded (masked loads return 0), so garbage or out-of-bounds slots cost no
+    bandwidth and NaN garbage cannot leak through 0 * NaN.
+    """
+    keys = i * block_k + jnp.arange(block_k)  # [bk]
+    in_use = keys < length
+    window = pl.ds(i * block_k, block_k)
+    k = pltriton.load(k_ref.at[window, :], mask=in_use[:, None], other=jnp.zeros((), k_ref.dtype))
+    v = pltriton.load(v_ref.at[window, :], mask=in_use[:, None], other=jnp.zeros((), v_ref.dtype))
+    visible = (keys[None, :] <= last_key[:, None]) & in_use[None, :]
+    return online_softmax_step(carry, qk_logits(q, k, scale), v, visible)
+
+
+def full_kv_step(q, k_ref, v_ref, i, carry, *, block_k, scale):
+    """Step over KV block i where every key is in use and seen by every row."""
+    window = pl.ds(i * block_k, block_k)
+    # pltriton.load rather than k_ref[window]: same Triton IR, but interpret
+    # mode then pads a window that overhangs a short cache instead of failing.
+    k, v = pltriton.load(k_ref.at[window, :]), pltriton.load(v_ref.at[window, :])
+    return online_softmax_step(carry, qk_logits(q, k, scale), v)
+
+
+def check_shapes(q, k_cache, v_cache, start):
+    B, _, N, H = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
+        raise ValueError(f"{k_cache.shape=} and {v_cache.shape=} must match, 4D")
+    if k_cache.shape[0] != B or k_cache.shape[3] != H:
+        raise ValueError(f"{q.shape=} does not fit {k_cache.shape=}")
+    if N % k_cache.shape[1]:
+        raise ValueError(f"{N=} query heads not a multiple of the KV heads")
+    if start.shape != (B,):
+        raise ValueError(f"{start.shape=} must be ({B},)")
+    if not is_power_of_2(H) or H < 16:
+        raise ValueError(f"{H=} must be a power of 2 >= 16 (Triton block shapes)")

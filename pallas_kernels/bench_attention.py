@@ -1,0 +1,346 @@
+"""Benchmark of the Pallas attention kernels on one GPU (one device call).
+
+  PYTHONPATH=. python3 pallas_kernels/bench_attention.py [sections...]
+
+Sections (default all): sweep, prefill, decode; the ceilings always run.
+Prints a line per measurement and writes every row to
+$OUT/bench_attention.json (OUT defaults to ./out). Qwen3-8B heads: 32 query,
+8 KV, head_dim 128, bf16, random data; the cache holds exactly L keys.
+
+Two times per op:
+- wall: one jit holds `calls` back-to-back calls, each with its own q and its
+  own K/V (so XLA can neither merge calls that share an operand nor serve
+  them from L2); median wall time of that jit, less the measured
+  dispatch-and-sync cost of an empty jit, over `calls`. Includes the gaps
+  between kernel launches.
+- dev: GPU kernel time per call, summed from a profiler trace of the same
+  jit; the kernels' own efficiency.
+Bandwidth counts the K/V bytes a call must read: 2 * B * K * L * H * 2;
+"of copy" divides wall bandwidth by the wall copy rate and kernel bandwidth
+by the copy kernel's rate (a jnp.copy of 4 GiB, bytes read + written).
+DECODE_TUNING / PREFILL_TUNINGS (JSON) override the tunings.
+"""
+
+import collections
+import glob
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.attention import xla_attention
+from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
+
+# BENCH_DRY_RUN=1: tiny shapes in interpret mode, to check this script on a CPU.
+DRY = os.environ.get("BENCH_DRY_RUN") == "1"
+N, K, H = 32, 8, 128
+DTYPE = jnp.bfloat16
+SCALE = H**-0.5
+BATCHES = (1, 2) if DRY else (1, 8, 32)
+LENGTHS = (64, 200) if DRY else (1024, 4096, 16384, 32768)
+PREFILL_LENGTHS = (96,) if DRY else (2048, 8192)
+COPY_ELEMENTS, MATMUL_N = (2**20, 256) if DRY else (2**30, 8192)
+BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))
+T0 = time.perf_counter()
+ROWS = []
+GPU_LINES = set()  # names of the GPU trace lines seen, for the record
+
+
+def _save():
+    path = os.environ.get("OUT", "./out")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "bench_attention.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+
+
+def _over_budget():
+    return time.perf_counter() - T0 > BUDGET_S
+
+
+def _short(e):
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return text[:300] + (" ... " + text[-600:] if len(text) > 900 else "")
+
+
+def _median_wall(run, overhead, iters=None, min_s=0.25):
+    times = []
+    while len(times) < (iters or 5) or (not iters and sum(times) < min_s and len(times) < 50):
+        t = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t)
+    return max(statistics.median(times) - overhead, 1e-9)
+
+
+def _dispatch_overhead():
+    """Wall time of an (almost) empty jit, dispatch to block_until_ready."""
+    f = jax.jit(lambda x: x + 1)
+    x = jnp.ones((8,), jnp.float32)
+    f(x).block_until_ready()
+    return _median_wall(lambda: f(x), 0.0, iters=50)
+
+
+def _kernel_ns(run, reps=2):
+    """{kernel name: GPU ns per run()} from a profiler trace ({} if none)."""
+    if DRY:
+        return {}
+    log_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(log_dir)
+    for _ in range(reps):
+        jax.block_until_ready(run())
+    jax.profiler.stop_trace()
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
+    shutil.rmtree(log_dir)
+    found = collections.Counter()
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            GPU_LINES.update(line.name for line in plane.lines)
+            for line in plane.lines:
+                if "stream" in line.name.lower():  # not derived lines like "XLA Ops"
+                    for event in line.events:
+                        found[event.name] += event.duration_ns / reps
+    return dict(found)
+
+
+def _batched(op, qs, kv_sets, start):
+    """A runner of len(qs) calls of op in one jit; also the first output."""
+
+    @jax.jit
+    def many(qs, kv_sets, start):
+        return [op(q, *kv, start) for q, kv in zip(qs, kv_sets)]
+
+    outs = many(qs, kv_sets, start)  # compile and warm up
+    jax.block_until_ready(outs)
+    return (lambda: many(qs, kv_sets, start)), outs[0]
+
+
+def _rel_err(out, ref):
+    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+    err = jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
+    return float(err) if bool(jnp.isfinite(out).all()) else float("nan")
+
+
+def _caches(key, B, S, n_sets):
+    sets = []
+    for i in range(n_sets):
+        kk, kv = jax.random.split(jax.random.fold_in(key, i))
+        sets.append((jax.random.normal(kk, (B, K, S, H), DTYPE), jax.random.normal(kv, (B, K, S, H), DTYPE)))
+    return sets
+
+
+def _queries(key, B, T, calls):
+    return [jax.random.normal(jax.random.fold_in(key, 1000 + i), (B, T, N, H), DTYPE) for i in range(calls)]
+
+
+def ceilings(overhead):
+    x = jax.random.normal(jax.random.key(0), (COPY_ELEMENTS,), jnp.float32)
+    row = {"kind": "ceilings", "overhead_us": overhead * 1e6}
+    copy = jax.jit(jnp.copy)
+    copy(x).block_until_ready()
+    row["copy_TBps"] = 2 * x.nbytes / _median_wall(lambda: copy(x), overhead, iters=10) / 1e12
+    try:
+        kernels = _kernel_ns(lambda: copy(x))
+        if kernels:
+            row["copy_dev_TBps"] = 2 * x.nbytes / sum(kernels.values()) / 1e3
+        row["copy_kernels"], row["gpu_lines"] = kernels, sorted(GPU_LINES)
+    except Exception as e:  # a trace that fails only costs the dev columns
+        row["profile_error"] = _short(e)
+    del x
+    a, b = (jax.random.normal(jax.random.key(i), (MATMUL_N, MATMUL_N), DTYPE) for i in (1, 2))
+    mm = jax.jit(jnp.matmul)
+    mm(a, b).block_until_ready()
+    row["matmul_TFLOPs"] = 2 * MATMUL_N**3 / _median_wall(lambda: mm(a, b), overhead, iters=10) / 1e12
+    print(f"ceilings: {row}", flush=True)
+    ROWS.append(row)
+    return row
+
+
+ORACLE = jax.jit(partial(attention_reference, scale=SCALE))
+
+
+def _kv_sets(key, B, L):
+    """Enough K/V sets for ~2 ms of calls at ~3 TB/s, one per call, <= 8 GB."""
+    per_set = 2 * B * K * L * H * 2
+    calls = int(2e-3 / (per_set / 3e12 + 5e-6))
+    return _caches(key, B, L, max(1, min(16, calls, int(8e9 // per_set))))
+
+
+def _time_pallas(row, run, calls, overhead):
+    row["pallas_us"] = _median_wall(run, overhead) / calls * 1e6
+    try:
+        kernels = _kernel_ns(run)
+    except Exception as e:
+        row["profile_error"] = _short(e)
+        return
+    if kernels:
+        row["pallas_dev_us"] = sum(kernels.values()) / calls / 1e3
+        row["pallas_kernels_us"] = {k: v / calls / 1e3 for k, v in kernels.items()}
+
+
+def decode_row(key, B, L, T, kv_sets, overhead, tuning, copy_bw, with_xla):
+    """Times Pallas (and XLA) at one shape; err vs the f32 oracle."""
+    start = jnp.full((B,), L - T, jnp.int32)
+    qs = _queries(key, B, T, len(kv_sets))
+    ref = ORACLE(qs[0], *kv_sets[0], start)
+    row = {"kind": "decode", "B": B, "L": L, "T": T, "calls": len(qs), "tuning": tuning}
+    ops = {"pallas": partial(decode_attention, scale=SCALE, interpret=DRY, **tuning)}
+    if with_xla:
+        ops["xla"] = partial(xla_attention, scale=SCALE)
+    for name, op in ops.items():
+        try:
+            run, out = _batched(op, qs, kv_sets, start)
+            row[f"{name}_err"] = _rel_err(out, ref)
+            if name == "pallas":
+                _time_pallas(row, run, len(qs), overhead)
+            else:
+                row[f"{name}_us"] = _median_wall(run, overhead) / len(qs) * 1e6
+        except Exception as e:  # report and carry on: one call must tell all
+            row[f"{name}_error"] = _short(e)
+    kv_bytes = 2 * B * K * L * H * 2
+    for kind in ("", "dev_"):  # wall vs wall copy, kernel time vs copy kernel
+        if f"pallas_{kind}us" in row and f"copy_{kind}TBps" in copy_bw:
+            tbps = kv_bytes / row[f"pallas_{kind}us"] / 1e6
+            row[f"{kind}TBps"] = tbps
+            row[f"{kind}of_copy"] = tbps / copy_bw[f"copy_{kind}TBps"]
+    ROWS.append(row)
+    _save()  # a run cut off at its time limit still returns what it measured
+    return row
+
+
+def _fmt(row, name, spec):
+    value = row.get(name)
+    return format(value, spec) if isinstance(value, float) else "-"
+
+
+def _print_decode(row):
+    errors = {k: v for k, v in row.items() if k.endswith("_error")}
+    print(
+        f"{row['kind']:6} B={row['B']:<3d} L={row['L']:<6d} T={row['T']} "
+        f"pallas {_fmt(row, 'pallas_us', '7.1f')} us "
+        f"(dev {_fmt(row, 'pallas_dev_us', '7.1f')}) "
+        f"{_fmt(row, 'TBps', '4.2f')} TB/s {_fmt(row, 'of_copy', '4.0%')} "
+        f"(dev {_fmt(row, 'dev_TBps', '4.2f')} {_fmt(row, 'dev_of_copy', '4.0%')})"
+        f" xla {_fmt(row, 'xla_us', '7.1f')} err {_fmt(row, 'pallas_err', '.1e')}"
+        f" {row['tuning'] if row['kind'] == 'sweep' else ''}" + (f"\n  ERRORS {errors}" if errors else ""),
+        flush=True,
+    )
+
+
+SWEEP_SHAPES = [(1, 200, 1)] if DRY else [(1, 16384, 1), (8, 16384, 8), (1, 32768, 8)]
+SWEEP_TUNINGS = [
+    dict(block_k=128, num_warps=4, num_stages=3, wave_slots=132),
+    dict(block_k=128, num_warps=8, num_stages=3, wave_slots=132),
+    dict(block_k=64, num_warps=4, num_stages=3, wave_slots=264),
+    dict(block_k=128, num_warps=4, num_stages=3, wave_slots=264),
+    dict(block_k=128, num_warps=4, num_stages=3, wave_slots=132),  # noise
+]
+
+
+def sweep(overhead, copy_bw):
+    """Decode tunings on a few shapes; prints the fastest in kernel time."""
+    key = jax.random.key(1)
+    total = [0.0] * len(SWEEP_TUNINGS)
+    for B, L, T in SWEEP_SHAPES:
+        kv_sets = _kv_sets(key, B, L)
+        for i, tuning in enumerate(SWEEP_TUNINGS):
+            if _over_budget():
+                return
+            row = decode_row(key, B, L, T, kv_sets, overhead, tuning, copy_bw, with_xla=False)
+            row["kind"] = "sweep"
+            total[i] += row.get("pallas_dev_us", row.get("pallas_us", math.inf))
+            _print_decode(row)
+        del kv_sets
+    best = min(range(len(total)), key=total.__getitem__)
+    print(f"sweep totals (dev us) {[round(t, 1) for t in total]}; best {SWEEP_TUNINGS[best]}", flush=True)
+
+
+def decode_table(overhead, copy_bw, tuning):
+    key = jax.random.key(2)
+    for B in BATCHES:
+        for L in LENGTHS:
+            kv_sets = _kv_sets(key, B, L)
+            for T in (1, 4, 8):
+                if _over_budget():
+                    print("over budget: decode table cut short")
+                    return
+                _print_decode(decode_row(key, B, L, T, kv_sets, overhead, tuning, copy_bw, with_xla=True))
+            del kv_sets
+
+
+PREFILL_TUNINGS = [
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+]
+
+
+def _prefill_ops(tunings):
+    ops = {f"pallas{i}": partial(prefill_attention, scale=SCALE, interpret=DRY, **t) for i, t in enumerate(tunings)}
+    ops["xla"] = partial(xla_attention, scale=SCALE)
+    # cuDNN takes keys as [B, S, K, H]: the caller passes transposed caches.
+    ops["cudnn"] = lambda q, k, v, s: jax.nn.dot_product_attention(
+        q, k, v, scale=SCALE, is_causal=True, implementation="cudnn"
+    )
+    return ops
+
+
+def prefill_row(T, overhead, matmul_tflops, tunings):
+    key = jax.random.key(3)
+    k, v = _caches(key, 1, T, 1)[0]
+    start = jnp.zeros((1,), jnp.int32)
+    qs = _queries(key, 1, T, 4)
+    ref = ORACLE(qs[0], k, v, start)
+    flops = 4 * N * H * T * (T + 1) / 2  # causal: QK and PV over t + 1 keys
+    row = {"kind": "prefill", "B": 1, "T": T, "tunings": tunings}
+    for name, op in _prefill_ops(tunings).items():
+        kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if (name == "cudnn") else (k, v)
+        try:
+            run, out = _batched(op, qs, [kv] * len(qs), start)
+            row[f"{name}_TFLOPs"] = flops * len(qs) / _median_wall(run, overhead) / 1e12
+            row[f"{name}_of_matmul"] = row[f"{name}_TFLOPs"] / matmul_tflops
+            row[f"{name}_err"] = _rel_err(out, ref)
+        except Exception as e:
+            row[f"{name}_error"] = _short(e)
+    ROWS.append(row)
+    _save()
+    print(
+        f"prefill T={T}: "
+        + ", ".join(
+            f"{n} {_fmt(row, n + '_TFLOPs', '.0f')} TFLOP/s "
+            f"({_fmt(row, n + '_of_matmul', '.0%')} of matmul) "
+            f"err {_fmt(row, n + '_err', '.1e')}"
+            for n in _prefill_ops(tunings)
+        )
+    )
+    for name in [n for n in row if n.endswith("_error")]:
+        print(f"  {name}: {row[name]}")
+
+
+def main(sections):
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; sections {sections}", flush=True)
+    overhead = _dispatch_overhead()
+    limits = ceilings(overhead)
+    copy_bw = {k: v for k, v in limits.items() if k.startswith("copy_")}
+    if "sweep" in sections:
+        sweep(overhead, copy_bw)
+    # The table measures what the model gets: DecodeConfig's defaults.
+    tuning = json.loads(os.environ.get("DECODE_TUNING", "{}"))
+    if "prefill" in sections:
+        tunings = json.loads(os.environ.get("PREFILL_TUNINGS", "null"))
+        for T in PREFILL_LENGTHS:
+            prefill_row(T, overhead, limits["matmul_TFLOPs"], tunings or PREFILL_TUNINGS)
+    if "decode" in sections:
+        decode_table(overhead, copy_bw, tuning)
+    _save()
+    print(f"decode tuning {tuning}; {time.perf_counter() - T0:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["sweep", "prefill", "decode"])

@@ -1,0 +1,57 @@
+"""The model with the Pallas kernels (interpret mode on the CPU) against the model with XLA attention:
+same logits, same greedy and speculative output. The kernels themselves are checked against their
+reference in test_pallas_attention.py."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle3_jax
+from eagle3_jax import target as target_lib
+import drafter_oracle as oracle
+from hf_models import build_model, save_model
+
+# head_dim 16 (a power of two, which the kernels need) on both sides.
+SPEC = oracle.DraftSpec(hidden_size=32, intermediate_size=48, num_heads=2, num_kv_heads=1, head_dim=16,
+                        target_hidden_size=32, target_vocab_size=96, draft_vocab_size=96)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("impls")
+    save_model(build_model("gqa4_tied_yarn", seed=5, num_layers=4, vocab=96), root / "t", "gqa4_tied_yarn")
+    target = eagle3_jax.load_target(root / "t", dtype="float32", progress=False)
+    oracle.write_specforge(root / "d", SPEC, oracle.random_drafter_state(SPEC, seed=5))
+    return target, eagle3_jax.load_drafter(root / "d", target, dtype="float32")
+
+
+def test_forward_logits_agree(models):
+    target, _ = models
+    cfg = target.config
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 20)), jnp.int32)  # > 16: the prefill kernel
+    out = {}
+    for impl in ("xla", "pallas"):
+        cache = target_lib.new_cache(cfg, 2, 40, jnp.float32)
+        hidden, cache, _ = target_lib.forward(target.params, cfg, tokens, cache, (), impl)
+        cache = cache.with_lengths(jnp.array([20, 13], jnp.int32))
+        step, _, _ = target_lib.forward(target.params, cfg, tokens[:, :3], cache, (), impl)  # the decode kernel
+        out[impl] = np.concatenate([hidden, step], axis=1)
+    np.testing.assert_allclose(out["pallas"], out["xla"], rtol=1e-5, atol=1e-5)
+
+
+def test_engine_output_agrees(models):
+    target, drafter = models
+    prompts = [[5, 17, 3, 9], list(range(1, 21))]
+    for d in (None, drafter):
+        results = {impl: eagle3_jax.Engine(target, d, num_draft_tokens=2, max_len=48, attn_impl=impl).generate(prompts, 6)
+                   for impl in ("xla", "pallas")}
+        assert results["pallas"] == results["xla"]
+
+
+def test_pallas_refuses_unsupported_head_dim(models):
+    target, _ = models
+    odd = dataclasses.replace(target, config=dataclasses.replace(target.config, head_dim=24))
+    with pytest.raises(ValueError, match="power-of-two head_dims"):
+        eagle3_jax.Engine(odd, max_len=32, attn_impl="pallas")
