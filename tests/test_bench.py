@@ -35,3 +35,21 @@ def test_time_parts_of_loaded_models(tmp_path):
     assert set(parts) == {"decode", "draft_step", "verify", "chain", "rebuild", "round"}
     assert parts["verify"]["tokens"] == 3 and parts["round"]["gamma"] == 2
     assert all(p["time_ms"] > 0 and p["floor_ms"] > 0 for p in parts.values())
+
+
+def test_attention_agreement_and_margin(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eagle3_jax import target as target_lib
+
+    b = bench.Bench(bench.tiny_plan(), ("xla", "pallas"), budget_s=600, dtype=jnp.float32, out=tmp_path)
+    b.attention_agreement(gamma=2, new_tokens=5)
+    report = b.results["attention_agreement"]
+    assert set(report) == {"spec_off", "gamma_2"}
+    assert all(row["identical"] and row["tokens"] == 5 for rows in report.values() for row in rows)  # float32
+    tokens = [3, 1, 4, 1, 5]
+    cache = target_lib.new_cache(b.plan.target, 1, 5, jnp.float32)
+    hidden, _, _ = target_lib.forward(b.tparams, b.plan.target, jnp.asarray([tokens]), cache)
+    logits = np.sort(np.asarray(target_lib.logits(b.tparams, hidden[0, -1])))
+    assert abs(b._margin(tokens) - (logits[-1] - logits[-2])) < 1e-6
