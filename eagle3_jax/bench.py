@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -30,14 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import drafter as drafter_lib
-from eagle3_jax import spec_round
+from eagle3_jax import measure, spec_round
 from eagle3_jax import target as target_lib
 from eagle3_jax.checkpoint import Target
 from eagle3_jax.config import Qwen3Config, RopeConfig
 from eagle3_jax.drafter import DrafterConfig
 from eagle3_jax.drafter_checkpoint import Drafter
 from eagle3_jax.engine import Engine
-from eagle3_jax.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,184 +78,19 @@ def tiny_plan() -> Plan:
                 gammas=(1, 3), reps=3, inner=2, copy_bytes=1 << 20, matmul_n=128)
 
 
-# ----------------------------------------------------------------------------- inputs
-
-
-def random_tree(abstract, seed: int):
-    """Random device arrays for a tree of ShapeDtypeStructs: normal * 0.02 floats, small int offsets."""
-    leaves, treedef = jax.tree.flatten(abstract)
-    out = []
-    for i, leaf in enumerate(leaves):
-        key = jax.random.key(seed * 1000 + i)
-        if jnp.issubdtype(leaf.dtype, jnp.integer):
-            out.append(jnp.zeros(leaf.shape, leaf.dtype))  # d2t: identity-like mapping, draft ids are target ids
-        else:
-            out.append(_normal(key, leaf.shape, leaf.dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key, shape, dtype):
-    return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
-
-
-def random_cache(num_layers, batch, kv_heads, capacity, head_dim, length, dtype, seed) -> KVCache:
-    shape = (batch, kv_heads, capacity, head_dim)
-    return KVCache(
-        k=tuple(_normal(jax.random.key(seed + 2 * i), shape, dtype) for i in range(num_layers)),
-        v=tuple(_normal(jax.random.key(seed + 2 * i + 1), shape, dtype) for i in range(num_layers)),
-        lengths=jnp.full((batch,), length, jnp.int32),
-    )
-
-
 def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype, with_drafter: bool) -> spec_round.DecodeState:
     t, d = plan.target, plan.drafter
     key = jax.random.key(batch * 7 + length)
     return spec_round.DecodeState(
-        target_cache=random_cache(t.num_layers, batch, t.num_kv_heads, capacity, t.head_dim, length, dtype, 11),
-        draft_cache=random_cache(1, batch, d.num_kv_heads, capacity, d.head_dim, length, dtype, 99) if with_drafter else None,
+        target_cache=measure.random_cache(t.num_layers, batch, t.num_kv_heads, capacity, t.head_dim, length, dtype, 11),
+        draft_cache=measure.random_cache(1, batch, d.num_kv_heads, capacity, d.head_dim, length, dtype, 99) if with_drafter else None,
         last_token=jax.random.randint(key, (batch,), 0, t.vocab_size, jnp.int32),
-        draft_hidden=_normal(key, (batch, d.hidden_size), dtype) if with_drafter else None,
+        draft_hidden=measure.normal(key, (batch, d.hidden_size), dtype) if with_drafter else None,
         num_generated=jnp.zeros((batch,), jnp.int32),
         max_new=jnp.full((batch,), 1 << 30, jnp.int32),
         stop_ids=jnp.full((batch, 8), -1, jnp.int32),
         done=jnp.zeros((batch,), bool),
     )
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def time_chain(compiled, state, args, plan: Plan):
-    """Median seconds per call of `state, out = compiled(*args, state)`, state donated and rebound."""
-    for _ in range(3):
-        state, _ = compiled(*args, state)
-    jax.block_until_ready(state)
-    samples = []
-    for _ in range(plan.reps):
-        start = time.perf_counter()
-        for _ in range(plan.inner):
-            state, _ = compiled(*args, state)
-        jax.block_until_ready(state)
-        samples.append((time.perf_counter() - start) / plan.inner)
-    return statistics.median(samples), state
-
-
-def compile_timed(jitted, *args):
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    return compiled, time.perf_counter() - start
-
-
-def measure_copy_bandwidth(nbytes: int) -> dict:
-    x = _normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    scale = jax.jit(lambda a: a * jnp.bfloat16(1.5))
-    jax.block_until_ready(scale(x))
-    samples = []
-    for _ in range(10):
-        start = time.perf_counter()
-        jax.block_until_ready(scale(x))
-        samples.append(time.perf_counter() - start)
-    out = {"jax_elementwise_tbps": 2 * nbytes / statistics.median(samples) / 1e12}
-    del x
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            a = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-            b = torch.empty_like(a)
-            b.copy_(a)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            times = []
-            for _ in range(10):
-                ev[0].record()
-                b.copy_(a)
-                ev[1].record()
-                torch.cuda.synchronize()
-                times.append(ev[0].elapsed_time(ev[1]) / 1e3)
-            out["torch_copy_tbps"] = 2 * nbytes / statistics.median(times) / 1e12
-            del a, b
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
-    out["copy_tbps"] = max(out.values())
-    return out
-
-
-def measure_matmul(n: int) -> float:
-    a = _normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    b = _normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    jax.block_until_ready(mm(a, b))
-    samples = []
-    for _ in range(10):
-        start = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        samples.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(samples) / 1e12
-
-
-# ----------------------------------------------------------------------------- floors
-
-
-def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def target_weight_bytes(params) -> int:
-    """Bytes a target step reads: every weight but the embedding, which is a gather of B x T rows."""
-    return nbytes({k: v for k, v in params.items() if k != "embed"})
-
-
-def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
-    return num_layers * 2 * batch * length * kv_heads * head_dim * itemsize
-
-
-# ----------------------------------------------------------------------------- step functions
-
-
-def _target_step(params, tokens, cache, *, cfg, capture, attn):
-    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, attn)
-    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
-
-
-def _draft_step(params, embed, h, token, cache, *, cfg, attn):
-    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, attn)
-    return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
-
-
-def _rebuild(params, embed, features, tokens, cache, *, cfg, attn):
-    h = drafter_lib.project_features(params, cfg, features)
-    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, attn)
-    return cache, out[:, -1]
-
-
-def _chain(params, embed, h, cache, *, cfg, gamma, attn):
-    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, attn)
-    return cache, drafts
-
-
-def _forward_only(params, tokens, cache, *, cfg, attn):
-    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), attn)
-    return cache, hidden
-
-
-def _matmuls_only(params, x, state, *, cfg):
-    """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
-    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
-    can reach."""
-    N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-    for layer in params["layers"]:
-        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
-        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
-        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
-        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
-    return state + 1, target_lib.logits(params, x).argmax(-1)
-
-
-def _jit_step(fn, num_args, **static):
-    """jit with the state (last argument) donated, so the step updates its buffers in place."""
-    return jax.jit(functools.partial(fn, **static), donate_argnums=(num_args - 1,))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -272,8 +104,8 @@ class Bench:
         self.deadline = time.perf_counter() + budget_s
         self.results: dict = {"skipped": []}
         t0 = time.perf_counter()
-        self.tparams = target.params if target else random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
-        self.dparams = drafter.params if drafter else random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
+        self.tparams = target.params if target else measure.random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
+        self.dparams = drafter.params if drafter else measure.random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
         jax.block_until_ready((self.tparams, self.dparams))
         self.results["init_s"] = time.perf_counter() - t0
         self.target = target or Target(plan.target, self.tparams, folder=None)
@@ -284,6 +116,10 @@ class Bench:
     def log(self, line: str) -> None:
         if self.out is not None:  # the command-line run reports as it goes; time_parts stays quiet
             print(line, flush=True)
+
+    def time(self, compiled, state, args):
+        """Median seconds per call of a compiled step; returns (seconds, the state it leaves)."""
+        return measure.time_chain(compiled, state, args, self.plan.reps, self.plan.inner)
 
     def time_left(self, label: str) -> bool:
         if time.perf_counter() < self.deadline:
@@ -311,75 +147,75 @@ class Bench:
         (self.out / "bench.json").write_text(json.dumps(self.results, indent=1, default=str))
 
     def ceilings(self) -> None:
-        self.results["ceilings"] = copy = measure_copy_bandwidth(self.plan.copy_bytes)
-        copy["matmul_tflops"] = measure_matmul(self.plan.matmul_n)
+        self.results["ceilings"] = copy = measure.measure_copy_bandwidth(self.plan.copy_bytes)
+        copy["matmul_tflops"] = measure.measure_matmul(self.plan.matmul_n)
         self.bw = copy["copy_tbps"]
         self.log(f"ceilings {json.dumps(copy)}")
 
     def _kv(self, cfg_layers, kv_heads, head_dim, batch, length):
-        return kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
+        return measure.kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
 
     def decode(self, batch: int, length: int, attn: str) -> None:
         """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit)."""
         t = self.plan.target
         engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
-        compiled, compile_s = compile_timed(engine._round, self.tparams, None, state)
-        seconds, _ = time_chain(lambda s: compiled(self.tparams, None, s), state, (), self.plan)
-        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
+        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
+        seconds, _ = self.time(lambda s: compiled(self.tparams, None, s), state, ())
+        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
         self.row("decode", {"batch": batch, "kv_len": length, "attn": attn, "tokens_per_s": batch / seconds},
                  seconds, read, compile_s)
 
     def verify(self, batch: int, tokens: int, attn: str) -> None:
         t, L = self.plan.target, self.plan.spec_kv_length
-        cache = random_cache(t.num_layers, batch, t.num_kv_heads, L + 64, t.head_dim, L, self.dtype, 5)
+        cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, L + 64, t.head_dim, L, self.dtype, 5)
         toks = jax.random.randint(jax.random.key(3), (batch, tokens), 0, t.vocab_size, jnp.int32)
-        step = _jit_step(_target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, attn=attn)
-        compiled, compile_s = compile_timed(step, self.tparams, toks, cache)
-        seconds, _ = time_chain(compiled, cache, (self.tparams, toks), self.plan)
-        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
+        step = measure.jit_step(measure.target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, attn=attn)
+        compiled, compile_s = measure.compile_timed(step, self.tparams, toks, cache)
+        seconds, _ = self.time(compiled, cache, (self.tparams, toks))
+        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
         self.row("verify", {"batch": batch, "kv_len": L, "tokens": tokens, "attn": attn}, seconds, read, compile_s)
 
     def _drafter_inputs(self, batch):
         d, L = self.plan.drafter, self.plan.spec_kv_length
-        cache = random_cache(1, batch, d.num_kv_heads, L + 64, d.head_dim, L, self.dtype, 7)
+        cache = measure.random_cache(1, batch, d.num_kv_heads, L + 64, d.head_dim, L, self.dtype, 7)
         return cache, self.tparams["embed"]
 
     def _drafter_read(self, batch, tokens, with_fc: bool, with_head: bool) -> int:
         d, p = self.plan.drafter, self.dparams
-        layer = nbytes({k: v for k, v in p.items() if k not in ("fc", "lm_head", "d2t")})
-        read = layer + (nbytes(p["fc"]) if with_fc else 0) + (nbytes(p["lm_head"]) if with_head else 0)
+        layer = measure.nbytes({k: v for k, v in p.items() if k not in ("fc", "lm_head", "d2t")})
+        read = layer + (measure.nbytes(p["fc"]) if with_fc else 0) + (measure.nbytes(p["lm_head"]) if with_head else 0)
         return read + self._kv(1, d.num_kv_heads, d.head_dim, batch, self.plan.spec_kv_length + tokens)
 
     def draft_step(self, batch: int, attn: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
-        h = _normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
+        h = measure.normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
         token = jnp.zeros((batch,), jnp.int32) + 17
-        step = _jit_step(_draft_step, 5, cfg=d, attn=attn)
-        compiled, compile_s = compile_timed(step, self.dparams, embed, h, token, cache)
-        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, h, token), self.plan)
+        step = measure.jit_step(measure.draft_step, 5, cfg=d, attn=attn)
+        compiled, compile_s = measure.compile_timed(step, self.dparams, embed, h, token, cache)
+        seconds, _ = self.time(compiled, cache, (self.dparams, embed, h, token))
         self.row("draft_step", {"batch": batch, "attn": attn}, seconds, self._drafter_read(batch, 1, False, True), compile_s)
 
     def rebuild(self, batch: int, tokens: int, attn: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
-        feats = _normal(jax.random.key(5), (batch, tokens, d.feature_width), self.dtype)
+        feats = measure.normal(jax.random.key(5), (batch, tokens, d.feature_width), self.dtype)
         toks = jax.random.randint(jax.random.key(6), (batch, tokens), 0, d.target_vocab_size, jnp.int32)
-        step = _jit_step(_rebuild, 5, cfg=d, attn=attn)
-        compiled, compile_s = compile_timed(step, self.dparams, embed, feats, toks, cache)
-        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, feats, toks), self.plan)
+        step = measure.jit_step(measure.rebuild_step, 5, cfg=d, attn=attn)
+        compiled, compile_s = measure.compile_timed(step, self.dparams, embed, feats, toks, cache)
+        seconds, _ = self.time(compiled, cache, (self.dparams, embed, feats, toks))
         self.row("rebuild", {"batch": batch, "tokens": tokens, "attn": attn}, seconds,
                  self._drafter_read(batch, tokens, True, False), compile_s)
 
     def chain(self, batch: int, gamma: int, attn: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
-        h = _normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
-        step = _jit_step(_chain, 4, cfg=d, gamma=gamma, attn=attn)
-        compiled, compile_s = compile_timed(step, self.dparams, embed, h, cache)
-        seconds, _ = time_chain(compiled, cache, (self.dparams, embed, h), self.plan)
-        read = self._drafter_read(batch, gamma, False, True) * (gamma - 1) + nbytes(self.dparams["lm_head"])
+        h = measure.normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
+        step = measure.jit_step(measure.chain_step, 4, cfg=d, gamma=gamma, attn=attn)
+        compiled, compile_s = measure.compile_timed(step, self.dparams, embed, h, cache)
+        seconds, _ = self.time(compiled, cache, (self.dparams, embed, h))
+        read = self._drafter_read(batch, gamma, False, True) * (gamma - 1) + measure.nbytes(self.dparams["lm_head"])
         self.row("chain", {"batch": batch, "gamma": gamma, "attn": attn}, seconds, read, compile_s)
 
     def round(self, batch: int, gamma: int, attn: str) -> None:
@@ -388,11 +224,11 @@ class Bench:
         capacity = min(L + 512, self.plan.target.max_position_embeddings)
         engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, attn_impl=attn)
         state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
-        compiled, compile_s = compile_timed(engine._round, self.tparams, self.dparams, state)
-        seconds, _ = time_chain(lambda s: compiled(self.tparams, self.dparams, s), state, (), self.plan)
+        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, self.dparams, state)
+        seconds, _ = self.time(lambda s: compiled(self.tparams, self.dparams, s), state, ())
         parts = {r["section"]: r["time_ms"] for r in self._parts(batch, gamma, attn)}
         t = self.plan.target
-        read = (target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
+        read = (measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
                 + sum(r["bytes_read"] for r in self._parts(batch, gamma, attn) if r["section"] != "verify"))
         entry = {"batch": batch, "gamma": gamma, "attn": attn, "parts_ms": parts}
         self.row("round", entry, seconds, read, compile_s)
@@ -417,25 +253,25 @@ class Bench:
         matmuls alone; with the number of kernels XLA emits for each."""
         t = self.plan.target
         out = {}
-        cache = random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
+        cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
         tokens = jnp.zeros((batch, 1), jnp.int32) + 3
         for name, step, args in (
-            ("forward_no_head", _jit_step(_forward_only, 3, cfg=t, attn=attn), (self.tparams, tokens)),
-            ("matmuls_only", _jit_step(_matmuls_only, 3, cfg=t),
-             (self.tparams, _normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
+            ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, attn=attn), (self.tparams, tokens)),
+            ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t),
+             (self.tparams, measure.normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
         ):
             state = cache if name != "matmuls_only" else jnp.zeros((), jnp.int32)
-            compiled, compile_s = compile_timed(step, *args, state)
-            seconds, state = time_chain(compiled, state, args, self.plan)
+            compiled, compile_s = measure.compile_timed(step, *args, state)
+            seconds, state = self.time(compiled, state, args)
             if name != "matmuls_only":
                 cache = state
-            out[name] = {"time_ms": seconds * 1e3, "kernels": _kernel_count(compiled)}
+            out[name] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
         engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
-        compiled, _ = compile_timed(engine._round, self.tparams, None, state)
-        seconds, _ = time_chain(lambda s: compiled(self.tparams, None, s), state, (), self.plan)
-        out["step"] = {"time_ms": seconds * 1e3, "kernels": _kernel_count(compiled)}
-        read = target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
+        compiled, _ = measure.compile_timed(engine._round, self.tparams, None, state)
+        seconds, _ = self.time(lambda s: compiled(self.tparams, None, s), state, ())
+        out["step"] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
+        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
         entry = {"batch": batch, "kv_len": length, "attn": attn, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "floor_ms": self.floor_s(read) * 1e3, **out}
         self.results.setdefault("variants", []).append(entry)
@@ -574,13 +410,6 @@ class Bench:
                           ("round", lambda: self.round(batch, gamma, attn))):
             if self.time_left(f"{label} b{batch} g{gamma}"):
                 fn()
-
-
-def _kernel_count(compiled) -> int:
-    """Kernels (fusions and library calls) in the optimised HLO's entry computation."""
-    text = compiled.as_text()
-    entry = text[text.find("ENTRY"):]
-    return sum(line.count(" fusion(") + line.count(" custom-call(") for line in entry.splitlines())
 
 
 def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 256, batch: int = 1,

@@ -12,7 +12,6 @@ import functools
 from typing import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import attention, spec_round

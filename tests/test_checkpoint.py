@@ -4,7 +4,6 @@ import json
 import shutil
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 import torch

@@ -12,7 +12,6 @@ import eagle3_jax
 from eagle3_jax import drafter as drafter_lib
 from eagle3_jax.checkpoint import Target
 from eagle3_jax.config import Qwen3Config
-from eagle3_jax.kv_cache import KVCache
 import drafter_oracle as oracle
 
 HT, VT, LAYERS = 48, 200, 8

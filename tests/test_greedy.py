@@ -1,7 +1,6 @@
 """Spec-off greedy decoding against transformers' generate(do_sample=False), token for token."""
 
 import jax
-import numpy as np
 import pytest
 import torch
 

@@ -1,0 +1,175 @@
+"""The measuring pieces of `eagle3-jax bench`: random inputs on the device, timing, ceilings, floors,
+and the jitted step functions it times (each donates its last argument, the state it updates)."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import target as target_lib
+from eagle3_jax.kv_cache import KVCache
+
+
+def random_tree(abstract, seed: int):
+    """Random device arrays for a tree of ShapeDtypeStructs: normal * 0.02 floats, small int offsets."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    out = []
+    for i, leaf in enumerate(leaves):
+        key = jax.random.key(seed * 1000 + i)
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))  # d2t: identity-like mapping, draft ids are target ids
+        else:
+            out.append(normal(key, leaf.shape, leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def normal(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+
+def random_cache(num_layers, batch, kv_heads, capacity, head_dim, length, dtype, seed) -> KVCache:
+    shape = (batch, kv_heads, capacity, head_dim)
+    return KVCache(
+        k=tuple(normal(jax.random.key(seed + 2 * i), shape, dtype) for i in range(num_layers)),
+        v=tuple(normal(jax.random.key(seed + 2 * i + 1), shape, dtype) for i in range(num_layers)),
+        lengths=jnp.full((batch,), length, jnp.int32),
+    )
+
+
+def time_chain(compiled, state, args, reps: int, inner: int):
+    """Median seconds per call of `state, out = compiled(*args, state)`, state donated and rebound."""
+    for _ in range(3):
+        state, _ = compiled(*args, state)
+    jax.block_until_ready(state)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            state, _ = compiled(*args, state)
+        jax.block_until_ready(state)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples), state
+
+
+def compile_timed(jitted, *args):
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def measure_copy_bandwidth(nbytes: int) -> dict:
+    x = normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    scale = jax.jit(lambda a: a * jnp.bfloat16(1.5))
+    jax.block_until_ready(scale(x))
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(scale(x))
+        samples.append(time.perf_counter() - start)
+    out = {"jax_elementwise_tbps": 2 * nbytes / statistics.median(samples) / 1e12}
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+            b = torch.empty_like(a)
+            b.copy_(a)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            times = []
+            for _ in range(10):
+                ev[0].record()
+                b.copy_(a)
+                ev[1].record()
+                torch.cuda.synchronize()
+                times.append(ev[0].elapsed_time(ev[1]) / 1e3)
+            out["torch_copy_tbps"] = 2 * nbytes / statistics.median(times) / 1e12
+            del a, b
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    out["copy_tbps"] = max(out.values())
+    return out
+
+
+def measure_matmul(n: int) -> float:
+    a = normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    jax.block_until_ready(mm(a, b))
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        samples.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(samples) / 1e12
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def target_weight_bytes(params) -> int:
+    """Bytes a target step reads: every weight but the embedding, which is a gather of B x T rows."""
+    return nbytes({k: v for k, v in params.items() if k != "embed"})
+
+
+def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
+    return num_layers * 2 * batch * length * kv_heads * head_dim * itemsize
+
+
+def target_step(params, tokens, cache, *, cfg, capture, attn):
+    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, attn)
+    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
+
+
+def draft_step(params, embed, h, token, cache, *, cfg, attn):
+    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, attn)
+    return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
+
+
+def rebuild_step(params, embed, features, tokens, cache, *, cfg, attn):
+    h = drafter_lib.project_features(params, cfg, features)
+    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, attn)
+    return cache, out[:, -1]
+
+
+def chain_step(params, embed, h, cache, *, cfg, gamma, attn):
+    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, attn)
+    return cache, drafts
+
+
+def forward_only(params, tokens, cache, *, cfg, attn):
+    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), attn)
+    return cache, hidden
+
+
+def matmuls_only(params, x, state, *, cfg):
+    """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
+    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
+    can reach."""
+    N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    for layer in params["layers"]:
+        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
+        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
+        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
+        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
+    return state + 1, target_lib.logits(params, x).argmax(-1)
+
+
+def jit_step(fn, num_args, **static):
+    """jit with the state (last argument) donated, so the step updates its buffers in place."""
+    return jax.jit(functools.partial(fn, **static), donate_argnums=(num_args - 1,))
+
+
+def kernel_count(compiled) -> int:
+    """Kernels (fusions and library calls) in the optimised HLO's entry computation."""
+    text = compiled.as_text()
+    entry = text[text.find("ENTRY"):]
+    return sum(line.count(" fusion(") + line.count(" custom-call(") for line in entry.splitlines())
