@@ -39,7 +39,7 @@ def _generate(args) -> int:
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len)
     stops = args.stop_ids or ([tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
-    engine.generate([prompt], max_new_tokens=1, stop_token_ids=stops)  # compile outside the timing
+    engine.generate([prompt], max_new_tokens=2)  # compile prefill and the round outside the timing
     start = time.perf_counter()
     (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
     elapsed = time.perf_counter() - start
