@@ -226,10 +226,12 @@ class Bench:
         state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, self.dparams, state)
         seconds, _ = self.time(lambda s: compiled(self.tparams, self.dparams, s), state, ())
-        parts = {r["section"]: r["time_ms"] for r in self._parts(batch, gamma, attn)}
+        measured = self._parts(batch, gamma, attn)
+        parts = {r["section"]: r["time_ms"] for r in measured}
         t = self.plan.target
-        read = (measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
-                + sum(r["bytes_read"] for r in self._parts(batch, gamma, attn) if r["section"] != "verify"))
+        read = (measure.target_weight_bytes(self.tparams)
+                + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
+                + sum(r["bytes_read"] for r in measured if r["section"] != "verify"))
         entry = {"batch": batch, "gamma": gamma, "attn": attn, "parts_ms": parts}
         self.row("round", entry, seconds, read, compile_s)
         if len(parts) == 3:

@@ -108,18 +108,31 @@ def _assemble(cfg: Qwen3Config, loaded: dict[str, jax.Array]) -> dict:
     return params
 
 
-def _load_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict:
+def save_params(folder: Path, params) -> None:
+    """Writes a parameter pytree to folder/params with orbax."""
     import orbax.checkpoint as ocp
 
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((folder / "params").absolute(), params)
+
+
+def restore_params(folder: Path, abstract):
+    """Reads folder/params into the structure, shapes and dtypes of `abstract` (ShapeDtypeStructs)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore((folder / "params").absolute(), abstract)
+    except Exception as e:  # orbax raises many types; all mean the same thing to the user
+        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
+
+
+def _load_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict:
     marker = read_json(folder / ORBAX_MARKER)
     if marker.get("format_version") != _FORMAT_VERSION:
         raise CheckpointError(f"{folder / ORBAX_MARKER}: unknown format_version {marker.get('format_version')!r}")
     stored = jnp.dtype(marker.get("dtype", "bfloat16"))
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore((folder / "params").absolute(), target.abstract_params(cfg, stored))
-    except Exception as e:  # orbax raises many types; all mean the same thing to the user
-        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
+    params = restore_params(folder, target.abstract_params(cfg, stored))
     return params if stored == dtype else jax.tree.map(lambda x: x.astype(dtype), params)
 
 
@@ -129,11 +142,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
     if dst.exists():
         raise CheckpointError(f"{dst}: destination already exists")
     tgt = load_target(src, dtype=dtype)
-    import orbax.checkpoint as ocp
-
     dst.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save((dst / "params").absolute(), tgt.params)
+    save_params(dst, tgt.params)
     shutil.copy(src / "config.json", dst / "config.json")
     for name in _TOKENIZER_FILES:
         if (src / name).exists():

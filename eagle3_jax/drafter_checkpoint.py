@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import safetensors_io
-from eagle3_jax.checkpoint import ORBAX_MARKER, Target, check_dtype
+from eagle3_jax import drafter as drafter_lib
+from eagle3_jax.checkpoint import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
 from eagle3_jax.config import RopeConfig, parse_rope, read_json
 from eagle3_jax.drafter import DrafterConfig
 from eagle3_jax.errors import CheckpointError
@@ -286,37 +287,27 @@ def _config_from_json(raw: dict) -> DrafterConfig:
 
 def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str = "bfloat16") -> Path:
     """Drafter folder (any supported format, .bin included) -> orbax folder that loads without torch."""
-    import orbax.checkpoint as ocp
-
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst}: destination already exists")
     drafter = load_drafter(src, target, dtype=dtype)
     dst.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save((dst / "params").absolute(), drafter.params)
+    save_params(dst, drafter.params)
     shutil.copy(Path(src) / "config.json", dst / "config.json")
     marker = {"format_version": _FORMAT_VERSION, "kind": "drafter", "dtype": dtype,
-              "config": dataclasses.asdict(drafter.config)}
+              "has_embed": "embed" in drafter.params, "config": dataclasses.asdict(drafter.config)}
     (dst / ORBAX_MARKER).write_text(json.dumps(marker))
     return dst
 
 
 def _load_orbax(folder: Path, target: Target, dtype) -> Drafter:
-    import orbax.checkpoint as ocp
-
     marker = read_json(folder / ORBAX_MARKER)
     if marker.get("kind") != "drafter" or marker.get("format_version") != _FORMAT_VERSION:
         raise CheckpointError(f"{folder / ORBAX_MARKER}: not a drafter converted by this version")
     cfg = _config_from_json(marker["config"])
     _check_fit(folder, target, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size, capture=cfg.capture_layers)
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            params = ckpt.restore((folder / "params").absolute())
-    except Exception as e:  # orbax raises many types; all mean the same thing to the user
-        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
-    if "fc_norms" in params:
-        params["fc_norms"] = tuple(params["fc_norms"])  # orbax stores tuples as lists
-    if jnp.dtype(marker["dtype"]) != dtype:
+    stored = jnp.dtype(marker["dtype"])
+    params = restore_params(folder, drafter_lib.abstract_params(cfg, stored, with_embed=marker["has_embed"]))
+    if stored != dtype:
         params = {k: v if k == "d2t" else jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items()}
     return Drafter(cfg, params, folder)

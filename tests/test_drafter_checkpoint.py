@@ -52,14 +52,22 @@ def test_capture_layer_conventions(tmp_path, target, flat):
     assert eagle3_jax.load_drafter(spec_path, target).config.capture_layers == (2, 4, 7)
 
 
-def test_convert_round_trip(tmp_path, target, flat):
-    original = eagle3_jax.load_drafter(flat[0], target)
-    out = eagle3_jax.convert_drafter(flat[0], tmp_path / "converted", target)
+@pytest.mark.parametrize("variant", ["plain", "fc_norm", "speculators_all_flags"])
+def test_convert_round_trip(tmp_path, target, variant):
+    if variant == "speculators_all_flags":  # Qwen3 layer, norm_before_fc, norm_output, its own embedding
+        spec = dataclasses.replace(BASE, qk_norm=True, norm_before_fc=True, norm_output=True, norm_before_residual=True)
+        embed = torch.randn(VT, HT)
+        path = oracle.write_speculators(tmp_path / "src", spec, oracle.random_drafter_state(spec, 1), include_embed=embed)
+    else:
+        spec = dataclasses.replace(BASE, fc_norm=variant == "fc_norm")
+        path = oracle.write_specforge(tmp_path / "src", spec, oracle.random_drafter_state(spec, 1))
+    original = eagle3_jax.load_drafter(path, target)
+    out = eagle3_jax.convert_drafter(path, tmp_path / "converted", target)
     restored = eagle3_jax.load_drafter(out, target)
     assert restored.config == original.config
     same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)),
                         original.params, restored.params)
-    assert all(jax.tree.leaves(same)) and set(restored.params) == set(original.params)
+    assert jax.tree.structure(restored.params) == jax.tree.structure(original.params) and all(jax.tree.leaves(same))
 
 
 def test_angelslim_bin_in_bf16_loads(tmp_path, target):
