@@ -75,3 +75,11 @@ def test_bench_subcommand(tmp_path):
     assert main(["bench", "--variants-only", "--attn", "xla", "--out", str(tmp_path)]) == 0
     variants = json.loads((tmp_path / "bench.json").read_text())["variants"]
     assert {"step", "forward_no_head", "matmuls_only"} <= set(variants[0])
+
+
+def test_demo_runs(capsys):
+    from eagle3_jax import demo
+
+    demo.main()
+    out = capsys.readouterr().out
+    assert out.count("output identical to spec off") == 3 and out.count("tau 2.00") == 3

@@ -1,0 +1,25 @@
+"""pallas_kernels/bench_attention.py in its dry-run mode (tiny shapes, float32, interpret mode): every
+section runs and each kernel result it reports matches the reference."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_attention_bench_dry_run(tmp_path):
+    env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(REPO / "pallas_kernels" / "bench_attention.py")], env=env, check=True,
+                   capture_output=True, timeout=600)
+    rows = json.loads((tmp_path / "bench_attention.json").read_text())
+    assert {r["kind"] for r in rows} == {"ceilings", "sweep", "prefill", "decode"}
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert {(r["B"], r["L"], r["T"]) for r in decode} == {(b, l, t) for b in (1, 2) for l in (64, 200) for t in (1, 4, 8)}
+    for r in rows:
+        errors = [v for k, v in r.items() if k.endswith("_err")]
+        assert all(e < 1e-5 for e in errors), r
+        assert not any(k.endswith("_error") and not k.startswith("cudnn") for k in r), r  # no cuDNN on the CPU
+    assert all("pallas_err" in r and r["pallas_us"] > 0 for r in decode)
