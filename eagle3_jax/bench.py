@@ -280,27 +280,35 @@ class Bench:
         self.log(f"variants {json.dumps(entry)}")
         self.save()
 
-    def attention_agreement(self, gamma: int, new_tokens: int) -> None:
-        """Greedy and speculative output with the Pallas kernels against XLA attention, and the target's
-        logit margin (top 1 - top 2, XLA path) at the first token where they differ, if any."""
+    def agreement(self, gamma: int, new_tokens: int) -> None:
+        """Greedy output at real shapes in the run's dtype: speculative against spec-off for each attention
+        implementation, and Pallas against XLA when both are measured. Where two outputs differ, the
+        target's top-2 logit margin (XLA path) at the first differing token says how near a tie it was."""
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, self.plan.target.vocab_size, n).tolist() for n in (40, 25)]
-        report = {}
-        for label, drafter in (("spec_off", None), (f"gamma_{gamma}", self.drafter)):
-            outs = {impl: [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
-                                                       attn_impl=impl).generate(prompts, new_tokens)]
-                    for impl in ("xla", "pallas")}
-            rows = []
-            for prompt, a, b in zip(prompts, outs["xla"], outs["pallas"]):
-                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                row = {"identical": a == b, "tokens": len(a)}
-                if first is not None:
-                    row.update(first_difference=first, margin=self._margin(prompt + a[:first]))
-                rows.append(row)
-            report[label] = rows
-        self.results["attention_agreement"] = report
-        self.log(f"attention_agreement {json.dumps(report)}")
+        impls = [impl for impl in ("xla", "pallas") if impl in self.attn]
+        modes = {"spec_off": None, f"gamma_{gamma}": self.drafter}
+        outs = {(impl, mode): [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
+                                                          attn_impl=impl).generate(prompts, new_tokens)]
+                for impl in impls for mode, drafter in modes.items()}
+        report = {f"{impl}: gamma_{gamma} vs spec_off": self._compare(prompts, outs[impl, "spec_off"], outs[impl, f"gamma_{gamma}"])
+                  for impl in impls}
+        if len(impls) == 2:
+            report.update({f"{mode}: pallas vs xla": self._compare(prompts, outs["xla", mode], outs["pallas", mode])
+                           for mode in modes})
+        self.results["agreement"] = report
+        self.log(f"agreement {json.dumps(report)}")
         self.save()
+
+    def _compare(self, prompts, first: list[list[int]], second: list[list[int]]) -> list[dict]:
+        rows = []
+        for prompt, a, b in zip(prompts, first, second):
+            diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            row = {"identical": a == b, "tokens": len(a)}
+            if diff is not None:
+                row.update(first_difference=diff, margin=self._margin(prompt + a[:diff]))
+            rows.append(row)
+        return rows
 
     def _margin(self, tokens: list[int]) -> float:
         cfg = self.plan.target
@@ -383,8 +391,8 @@ class Bench:
         for attn in self.attn:
             if self.time_left(f"decode b{first_batch} l{first_len} {attn}"):
                 self.decode(first_batch, first_len, attn)
-        if {"xla", "pallas"} <= set(self.attn) and self.time_left("attention agreement"):
-            self.attention_agreement(gamma=3, new_tokens=24)
+        if self.time_left("agreement"):
+            self.agreement(gamma=3, new_tokens=24)
         mid = plan.gammas[len(plan.gammas) // 2]
         b = plan.spec_batches[0]
         self._spec_set(b, mid, primary)
@@ -501,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--agreement-only", action="store_true",
+                        help="only the output agreement check (speculative vs spec-off, Pallas vs XLA), 96 tokens")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     args = parser.parse_args(argv)
@@ -514,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.with_peer = not args.no_peer
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
                                                      "drafter": dataclasses.asdict(plan.drafter)})
-    if args.variants_only:
+    if args.agreement_only:
+        bench.agreement(gamma=3, new_tokens=96)
+        results = bench.results
+    elif args.variants_only:
         bench.ceilings()
         for attn_impl in attn:
             bench.variants(plan.batches[0], plan.kv_lengths[0], attn_impl)

@@ -16,13 +16,16 @@ from eagle3_jax.kv_cache import KVCache
 
 
 def random_tree(abstract, seed: int):
-    """Random device arrays for a tree of ShapeDtypeStructs: normal * 0.02 floats, small int offsets."""
+    """Random device arrays for a tree of ShapeDtypeStructs: matrices normal * 0.02, vectors (the norm
+    weights) 1 + normal * 0.02 so logits are not flat, integers (d2t) zero: draft ids are target ids."""
     leaves, treedef = jax.tree.flatten(abstract)
     out = []
     for i, leaf in enumerate(leaves):
         key = jax.random.key(seed * 1000 + i)
         if jnp.issubdtype(leaf.dtype, jnp.integer):
-            out.append(jnp.zeros(leaf.shape, leaf.dtype))  # d2t: identity-like mapping, draft ids are target ids
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        elif len(leaf.shape) == 1:
+            out.append((1 + normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype))
         else:
             out.append(normal(key, leaf.shape, leaf.dtype))
     return jax.tree.unflatten(treedef, out)

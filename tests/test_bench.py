@@ -37,17 +37,20 @@ def test_time_parts_of_loaded_models(tmp_path):
     assert all(p["time_ms"] > 0 and p["floor_ms"] > 0 for p in parts.values())
 
 
-def test_attention_agreement_and_margin(tmp_path):
+def test_agreement_and_margin(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
     from eagle3_jax import target as target_lib
 
     b = bench.Bench(bench.tiny_plan(), ("xla", "pallas"), budget_s=600, dtype=jnp.float32, out=tmp_path)
-    b.attention_agreement(gamma=2, new_tokens=5)
-    report = b.results["attention_agreement"]
-    assert set(report) == {"spec_off", "gamma_2"}
+    b.agreement(gamma=2, new_tokens=5)
+    report = b.results["agreement"]
+    assert set(report) == {"xla: gamma_2 vs spec_off", "pallas: gamma_2 vs spec_off", "spec_off: pallas vs xla",
+                           "gamma_2: pallas vs xla"}
     assert all(row["identical"] and row["tokens"] == 5 for rows in report.values() for row in rows)  # float32
+    assert b._compare([[1, 2]], [[5, 6, 7]], [[5, 6, 8]]) == [{"identical": False, "tokens": 3, "first_difference": 2,
+                                                         "margin": b._margin([1, 2, 5, 6])}]
     tokens = [3, 1, 4, 1, 5]
     cache = target_lib.new_cache(b.plan.target, 1, 5, jnp.float32)
     hidden, _, _ = target_lib.forward(b.tparams, b.plan.target, jnp.asarray([tokens]), cache)
