@@ -460,8 +460,10 @@ def versions() -> dict:
 
 def summary(results: dict) -> str:
     """The headline table: each step against its floor and against the spec-off step."""
-    lines = [f"device {results['versions']['device']}, jax {results['versions']['jax']}, "
-             f"copy {results['ceilings']['copy_tbps']:.2f} TB/s, matmul {results['ceilings']['matmul_tflops']:.0f} TFLOP/s"]
+    lines = [f"device {results['versions']['device']}, jax {results['versions']['jax']}"]
+    if "ceilings" in results:
+        c = results["ceilings"]
+        lines[0] += f", copy {c['copy_tbps']:.2f} TB/s, matmul {c['matmul_tflops']:.0f} TFLOP/s"
     lines.append(f"{'step':34s} {'ms':>9s} {'floor ms':>9s} {'x floor':>8s} {'compile s':>9s}")
     for section in ("decode", "verify", "draft_step", "chain", "rebuild", "round"):
         for r in results.get(section, []):
@@ -476,6 +478,10 @@ def summary(results: dict) -> str:
         e = results["engine"]
         lines.append(f"engine: {e['transfers_per_round']:.2f} device-to-host transfers per round, "
                      f"{e['round_compilations']} round compilation(s), {e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
+    for name, rows in results.get("agreement", {}).items():
+        lines.append(f"agreement {name}: " + "; ".join(
+            "identical" if r["identical"] else f"differs from token {r['first_difference']} (margin {r['margin']:.2e})"
+            for r in rows))
     if "peer" in results:
         lines.append(f"peer: {results['peer']['name']}: {results['peer']['tokens_per_s']:.1f} tok/s")
     if results["skipped"]:
