@@ -96,14 +96,15 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                  trace: bool = False) -> list[Result]:
-        """Greedy continuation of each prompt (token ids); see `Result`. trace=True also records each
-        round's drafts and target choices (`Result.rounds`); it costs nothing when off."""
+        """Greedy continuation of each prompt (token ids); see `Result`. trace=True also keeps each
+        round's drafts and target choices (`Result.rounds`): they travel in the round's one transfer
+        either way, so tracing adds no device work and no transfer."""
         tokens = [[] for _ in prompts]
         accepts = [[] for _ in prompts]
         traces = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
         stops = set(stop_token_ids)
-        for out, live in self._rounds(prompts, max_new_tokens, stop_token_ids):
+        for out, live in self._rounds(self._prepare(prompts, max_new_tokens, stop_token_ids)):
             for i, new in enumerate(out.tokens):
                 tokens[i].extend(new)
                 if live[i]:
@@ -115,16 +116,16 @@ class Engine:
         return [Result(t, r, a, tr if trace else None) for t, r, a, tr in zip(tokens, reasons, accepts, traces)]
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
-        """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point."""
-        for out, _ in self._rounds(prompts, max_new_tokens, stop_token_ids):
-            yield out.tokens
+        """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point. A bad
+        request raises here, before the first chunk is asked for."""
+        rounds = self._rounds(self._prepare(prompts, max_new_tokens, stop_token_ids))
+        return (out.tokens for out, _ in rounds)
 
-    def _rounds(self, prompts, max_new_tokens, stop_token_ids):
+    def _rounds(self, batch):
         """Yields (round output, which rows were live in a speculative round) for prefill and each round."""
-        batch = self._prepare(prompts, max_new_tokens, stop_token_ids)
         state, packed = self._prefill(self.target.params, self._draft_params, *batch)
         out = _RoundOutput.unpack(_fetch(packed))
-        yield out, [False] * len(prompts)
+        yield out, [False] * len(out.tokens)
         pending = self._round(self.target.params, self._draft_params, state) if not out.done.all() else None
         while pending is not None:
             state, packed = pending

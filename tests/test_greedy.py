@@ -76,6 +76,8 @@ def test_bad_requests_raise_before_device_work(model_and_target, monkeypatch, pr
     monkeypatch.setattr(engine, "_prefill", lambda *a: pytest.fail("device work started"))
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, **{"max_new_tokens": 4, **kwargs})
+    with pytest.raises(ValueError, match=message):
+        engine.stream(prompts, **{"max_new_tokens": 4, **kwargs})  # at the call, not at the first chunk
 
 
 def test_step_compiles_once_and_transfers_once_per_round(model_and_target, monkeypatch):
