@@ -157,14 +157,19 @@ class Bench:
 
     def decode(self, batch: int, length: int, attn: str) -> None:
         """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit)."""
+        seconds, compile_s, _, read = self._spec_off_step(batch, length, attn)
+        self.row("decode", {"batch": batch, "kv_len": length, "attn": attn, "tokens_per_s": batch / seconds},
+                 seconds, read, compile_s)
+
+    def _spec_off_step(self, batch: int, length: int, attn: str):
+        """Compiles and times the engine's spec-off step: (seconds, compile seconds, executable, bytes read)."""
         t = self.plan.target
         engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
         seconds, _ = self.time(lambda s: compiled(self.tparams, None, s), state, ())
         read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
-        self.row("decode", {"batch": batch, "kv_len": length, "attn": attn, "tokens_per_s": batch / seconds},
-                 seconds, read, compile_s)
+        return seconds, compile_s, compiled, read
 
     def verify(self, batch: int, tokens: int, attn: str) -> None:
         t, L = self.plan.target, self.plan.spec_kv_length
@@ -268,12 +273,8 @@ class Bench:
             if name != "matmuls_only":
                 cache = state
             out[name] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
-        engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
-        state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
-        compiled, _ = measure.compile_timed(engine._round, self.tparams, None, state)
-        seconds, _ = self.time(lambda s: compiled(self.tparams, None, s), state, ())
+        seconds, _, compiled, read = self._spec_off_step(batch, length, attn)
         out["step"] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
-        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
         entry = {"batch": batch, "kv_len": length, "attn": attn, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "floor_ms": self.floor_s(read) * 1e3, **out}
         self.results.setdefault("variants", []).append(entry)

@@ -575,7 +575,20 @@ class _Oracle:
         return h
 
 
-class _SpecForgeOracle(_Oracle):
+class _SpecForgeModelOracle(_Oracle):
+    """SpecForge's draft models share their fc, embedding and head entry points."""
+
+    def project(self, feats):
+        return self.m.project_hidden_states(feats)
+
+    def embed(self, tokens):
+        return self.m.embed_input_ids(tokens)
+
+    def logits(self, h):
+        return self.m.compute_logits(h)
+
+
+class _SpecForgeOracle(_SpecForgeModelOracle):
     name = "specforge"
 
     def __init__(self, spec, state, embed):
@@ -589,23 +602,15 @@ class _SpecForgeOracle(_Oracle):
         _load(m, {**state, "embed_tokens.weight": embed.float()})
         self.m = m
 
-    def project(self, feats):
-        return self.m.project_hidden_states(feats)
-
-    def embed(self, tokens):
-        return self.m.embed_input_ids(tokens)
-
     def layer(self, emb, h, positions):
         attn = self.m.midlayer.self_attn
         with _rope_table_covers(attn.rotary_emb, int(positions.max())):
             return self.m.backbone(input_embeds=emb, hidden_states=h, cache_hidden=None,
                                    attention_mask=None, position_ids=positions)
 
-    def logits(self, h):
-        return self.m.compute_logits(h)
 
 
-class _PEagleOracle(_Oracle):
+class _PEagleOracle(_SpecForgeModelOracle):
     name = "specforge_peagle"
 
     def __init__(self, spec, state, embed):
@@ -620,12 +625,6 @@ class _PEagleOracle(_Oracle):
               allowed_missing=("mask_hidden",))
         self.m = m
 
-    def project(self, feats):
-        return self.m.project_hidden_states(feats)
-
-    def embed(self, tokens):
-        return self.m.embed_input_ids(tokens)
-
     def layer(self, emb, h, positions):
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -637,8 +636,6 @@ class _PEagleOracle(_Oracle):
             return self.m.backbone(input_embeds=emb, hidden_states=h, attention_mask=mask,
                                    position_ids=positions)
 
-    def logits(self, h):
-        return self.m.compute_logits(h)
 
 
 class _SpeculatorsOracle(_Oracle):
