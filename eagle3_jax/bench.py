@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import kernels as kernels_lib
 from eagle3_jax import measure, spec_round
 from eagle3_jax import target as target_lib
 from eagle3_jax.checkpoint import Target
@@ -97,10 +98,10 @@ def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype, with
 
 
 class Bench:
-    def __init__(self, plan: Plan, attn: tuple[str, ...], budget_s: float, dtype, out: Path | None,
+    def __init__(self, plan: Plan, kernels: tuple[str, ...], budget_s: float, dtype, out: Path | None,
                  target: Target | None = None, drafter: Drafter | None = None):
         """Random weights at the plan's shapes, unless a loaded target and drafter are given."""
-        self.plan, self.attn, self.dtype, self.out = plan, attn, dtype, out
+        self.plan, self.kernels, self.dtype, self.out = plan, kernels, dtype, out
         self.deadline = time.perf_counter() + budget_s
         self.results: dict = {"skipped": []}
         t0 = time.perf_counter()
@@ -155,31 +156,41 @@ class Bench:
     def _kv(self, cfg_layers, kv_heads, head_dim, batch, length):
         return measure.kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
 
-    def decode(self, batch: int, length: int, attn: str) -> None:
+    def decode(self, batch: int, length: int, kernels: str) -> None:
         """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit)."""
-        seconds, compile_s, _, read = self._spec_off_step(batch, length, attn)
-        self.row("decode", {"batch": batch, "kv_len": length, "attn": attn, "tokens_per_s": batch / seconds},
+        seconds, compile_s, _, read, _ = self._spec_off_step(batch, length, kernels)
+        self.row("decode", {"batch": batch, "kv_len": length, "kernels": kernels, "tokens_per_s": batch / seconds},
                  seconds, read, compile_s)
 
-    def _spec_off_step(self, batch: int, length: int, attn: str):
-        """Compiles and times the engine's spec-off step: (seconds, compile seconds, executable, bytes read)."""
+    def _spec_off_step(self, batch: int, length: int, kernels: str, profile: bool = False):
+        """Compiles and times the engine's spec-off step: (seconds, compile seconds, executable, bytes read,
+        and with profile=True the GPU time of each kernel per step, else None)."""
         t = self.plan.target
-        engine = Engine(self.target, None, max_len=length + 64, attn_impl=attn)
+        engine = Engine(self.target, None, max_len=length + 64, kernels=kernels)
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
-        seconds, _ = self.time(lambda s: compiled(self.tparams, None, s), state, ())
+        seconds, state = self.time(lambda s: compiled(self.tparams, None, s), state, ())
         read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
-        return seconds, compile_s, compiled, read
+        kernel_times = None
+        if profile:
+            holder = [state]
 
-    def verify(self, batch: int, tokens: int, attn: str) -> None:
+            def run():
+                holder[0], out = compiled(self.tparams, None, holder[0])
+                return out
+
+            kernel_times = measure.gpu_kernel_times(run)
+        return seconds, compile_s, compiled, read, kernel_times
+
+    def verify(self, batch: int, tokens: int, kernels: str) -> None:
         t, L = self.plan.target, self.plan.spec_kv_length
         cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, L + 64, t.head_dim, L, self.dtype, 5)
         toks = jax.random.randint(jax.random.key(3), (batch, tokens), 0, t.vocab_size, jnp.int32)
-        step = measure.jit_step(measure.target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, attn=attn)
+        step = measure.jit_step(measure.target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.tparams, toks, cache)
         seconds, _ = self.time(compiled, cache, (self.tparams, toks))
         read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
-        self.row("verify", {"batch": batch, "kv_len": L, "tokens": tokens, "attn": attn}, seconds, read, compile_s)
+        self.row("verify", {"batch": batch, "kv_len": L, "tokens": tokens, "kernels": kernels}, seconds, read, compile_s)
 
     def _drafter_inputs(self, batch):
         d, L = self.plan.drafter, self.plan.spec_kv_length
@@ -192,70 +203,70 @@ class Bench:
         read = layer + (measure.nbytes(p["fc"]) if with_fc else 0) + (measure.nbytes(p["lm_head"]) if with_head else 0)
         return read + self._kv(1, d.num_kv_heads, d.head_dim, batch, self.plan.spec_kv_length + tokens)
 
-    def draft_step(self, batch: int, attn: str) -> None:
+    def draft_step(self, batch: int, kernels: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
         h = measure.normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
         token = jnp.zeros((batch,), jnp.int32) + 17
-        step = measure.jit_step(measure.draft_step, 5, cfg=d, attn=attn)
+        step = measure.jit_step(measure.draft_step, 5, cfg=d, kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.dparams, embed, h, token, cache)
         seconds, _ = self.time(compiled, cache, (self.dparams, embed, h, token))
-        self.row("draft_step", {"batch": batch, "attn": attn}, seconds, self._drafter_read(batch, 1, False, True), compile_s)
+        self.row("draft_step", {"batch": batch, "kernels": kernels}, seconds, self._drafter_read(batch, 1, False, True), compile_s)
 
-    def rebuild(self, batch: int, tokens: int, attn: str) -> None:
+    def rebuild(self, batch: int, tokens: int, kernels: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
         feats = measure.normal(jax.random.key(5), (batch, tokens, d.feature_width), self.dtype)
         toks = jax.random.randint(jax.random.key(6), (batch, tokens), 0, d.target_vocab_size, jnp.int32)
-        step = measure.jit_step(measure.rebuild_step, 5, cfg=d, attn=attn)
+        step = measure.jit_step(measure.rebuild_step, 5, cfg=d, kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.dparams, embed, feats, toks, cache)
         seconds, _ = self.time(compiled, cache, (self.dparams, embed, feats, toks))
-        self.row("rebuild", {"batch": batch, "tokens": tokens, "attn": attn}, seconds,
+        self.row("rebuild", {"batch": batch, "tokens": tokens, "kernels": kernels}, seconds,
                  self._drafter_read(batch, tokens, True, False), compile_s)
 
-    def chain(self, batch: int, gamma: int, attn: str) -> None:
+    def chain(self, batch: int, gamma: int, kernels: str) -> None:
         d = self.plan.drafter
         cache, embed = self._drafter_inputs(batch)
         h = measure.normal(jax.random.key(4), (batch, d.hidden_size), self.dtype)
-        step = measure.jit_step(measure.chain_step, 4, cfg=d, gamma=gamma, attn=attn)
+        step = measure.jit_step(measure.chain_step, 4, cfg=d, gamma=gamma, kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.dparams, embed, h, cache)
         seconds, _ = self.time(compiled, cache, (self.dparams, embed, h))
         read = self._drafter_read(batch, gamma, False, True) * (gamma - 1) + measure.nbytes(self.dparams["lm_head"])
-        self.row("chain", {"batch": batch, "gamma": gamma, "attn": attn}, seconds, read, compile_s)
+        self.row("chain", {"batch": batch, "gamma": gamma, "kernels": kernels}, seconds, read, compile_s)
 
-    def round(self, batch: int, gamma: int, attn: str) -> None:
+    def round(self, batch: int, gamma: int, kernels: str) -> None:
         L = self.plan.spec_kv_length
         # Room for the rounds timed (about one token each with random weights) to stay near length L.
         capacity = min(L + 512, self.plan.target.max_position_embeddings)
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, attn_impl=attn)
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels)
         state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, self.dparams, state)
         seconds, _ = self.time(lambda s: compiled(self.tparams, self.dparams, s), state, ())
-        measured = self._parts(batch, gamma, attn)
+        measured = self._parts(batch, gamma, kernels)
         parts = {r["section"]: r["time_ms"] for r in measured}
         t = self.plan.target
         read = (measure.target_weight_bytes(self.tparams)
                 + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
                 + sum(r["bytes_read"] for r in measured if r["section"] != "verify"))
-        entry = {"batch": batch, "gamma": gamma, "attn": attn, "parts_ms": parts}
+        entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "parts_ms": parts}
         self.row("round", entry, seconds, read, compile_s)
         if len(parts) == 3:
             entry["overhead"] = seconds * 1e3 / sum(parts.values()) - 1
-        spec_off = [r for r in self.results.get("decode", []) if r["batch"] == batch and r["kv_len"] == L and r["attn"] == attn]
+        spec_off = [r for r in self.results.get("decode", []) if r["batch"] == batch and r["kv_len"] == L and r["kernels"] == kernels]
         entry["projected_tokens_per_s"] = {tau: batch * tau / seconds for tau in range(1, gamma + 2)}
         if spec_off:
             entry["spec_off_tokens_per_s"] = spec_off[0]["tokens_per_s"]
 
-    def _parts(self, batch, gamma, attn):
+    def _parts(self, batch, gamma, kernels):
         wanted = {("verify", gamma + 1), ("chain", gamma), ("rebuild", gamma + 1)}
         out = []
         for section, key in (("verify", "tokens"), ("chain", "gamma"), ("rebuild", "tokens")):
             for r in self.results.get(section, []):
-                if r["batch"] == batch and r["attn"] == attn and (section, r[key]) in wanted:
+                if r["batch"] == batch and r["kernels"] == kernels and (section, r[key]) in wanted:
                     out.append(dict(r, section=section))
         return out
 
-    def variants(self, batch: int, length: int, attn: str) -> None:
+    def variants(self, batch: int, length: int, kernels: str) -> None:
         """Where a decode step's time goes: the full step, the step without lm_head and argmax, and the
         matmuls alone; with the number of kernels XLA emits for each."""
         t = self.plan.target
@@ -263,8 +274,8 @@ class Bench:
         cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
         tokens = jnp.zeros((batch, 1), jnp.int32) + 3
         for name, step, args in (
-            ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, attn=attn), (self.tparams, tokens)),
-            ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t),
+            ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, kernels=kernels), (self.tparams, tokens)),
+            ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t, kernels=kernels),
              (self.tparams, measure.normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
         ):
             state = cache if name != "matmuls_only" else jnp.zeros((), jnp.int32)
@@ -272,10 +283,14 @@ class Bench:
             seconds, state = self.time(compiled, state, args)
             if name != "matmuls_only":
                 cache = state
-            out[name] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
-        seconds, _, compiled, read = self._spec_off_step(batch, length, attn)
-        out["step"] = {"time_ms": seconds * 1e3, "kernels": measure.kernel_count(compiled)}
-        entry = {"batch": batch, "kv_len": length, "attn": attn, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            out[name] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled)}
+        seconds, _, compiled, read, kernel_times = self._spec_off_step(batch, length, kernels, profile=True)
+        out["step"] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled)}
+        if kernel_times:  # GPU busy time against the step's wall time: the rest is idle between kernels
+            busy_us = sum(us for _, us in kernel_times.values())
+            out["step"].update(kernel_busy_ms=busy_us / 1e3, launches=sum(n for n, _ in kernel_times.values()),
+                               kernels=dict(sorted(kernel_times.items(), key=lambda kv: -kv[1][1])))
+        entry = {"batch": batch, "kv_len": length, "kernels": kernels, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "floor_ms": self.floor_s(read) * 1e3, **out}
         self.results.setdefault("variants", []).append(entry)
         self.log(f"variants {json.dumps(entry)}")
@@ -287,10 +302,10 @@ class Bench:
         target's top-2 logit margin (XLA path) at the first differing token says how near a tie it was."""
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, self.plan.target.vocab_size, n).tolist() for n in (40, 25)]
-        impls = [impl for impl in ("xla", "pallas") if impl in self.attn]
+        impls = [impl for impl in ("xla", "pallas") if impl in self.kernels]
         modes = {"spec_off": None, f"gamma_{gamma}": self.drafter}
         outs = {(impl, mode): [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
-                                                          attn_impl=impl).generate(prompts, new_tokens)]
+                                                          kernels=impl).generate(prompts, new_tokens)]
                 for impl in impls for mode, drafter in modes.items()}
         report = {f"{impl}: gamma_{gamma} vs spec_off": self._compare(prompts, outs[impl, "spec_off"], outs[impl, f"gamma_{gamma}"])
                   for impl in impls}
@@ -319,11 +334,11 @@ class Bench:
         top = jax.lax.top_k(target_lib.logits(self.tparams, hidden[0, -1]), 2)[0]
         return float(top[0] - top[1])
 
-    def engine_generate(self, gamma: int, attn: str, new_tokens: int) -> None:
+    def engine_generate(self, gamma: int, kernels: str, new_tokens: int) -> None:
         """The engine end to end: transfers per round counted, no implicit transfer allowed."""
         from eagle3_jax import engine as engine_lib
 
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, attn_impl=attn)
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels)
         fetches = []
         real_fetch = engine_lib._fetch
         engine_lib._fetch = lambda x: fetches.append(x.shape) or real_fetch(x)
@@ -339,7 +354,7 @@ class Bench:
             engine_lib._fetch = real_fetch
         rounds = len(result.accept_lengths)
         self.results["engine"] = {
-            "gamma": gamma, "attn": attn, "tokens": len(result.token_ids), "rounds": rounds,
+            "gamma": gamma, "kernels": kernels, "tokens": len(result.token_ids), "rounds": rounds,
             "tokens_per_s": len(result.token_ids) / seconds, "tau": len(result.token_ids[1:]) / max(rounds, 1),
             "device_to_host_transfers": len(fetches), "transfers_per_round": len(fetches) / (rounds + 1),
             "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
@@ -386,12 +401,12 @@ class Bench:
             torch.cuda.empty_cache()
 
     def run(self) -> dict:
-        plan, primary = self.plan, self.attn[0]
+        plan, primary = self.plan, self.kernels[0]
         self.ceilings()
         first_batch, first_len = plan.batches[0], plan.kv_lengths[0]
-        for attn in self.attn:
-            if self.time_left(f"decode b{first_batch} l{first_len} {attn}"):
-                self.decode(first_batch, first_len, attn)
+        for kernels in self.kernels:
+            if self.time_left(f"decode b{first_batch} l{first_len} {kernels}"):
+                self.decode(first_batch, first_len, kernels)
         if self.time_left("agreement"):
             self.agreement(gamma=3, new_tokens=24)
         mid = plan.gammas[len(plan.gammas) // 2]
@@ -411,33 +426,31 @@ class Bench:
                     self._spec_set(batch, gamma, primary)
         return self.results
 
-    def _spec_set(self, batch: int, gamma: int, attn: str) -> None:
+    def _spec_set(self, batch: int, gamma: int, kernels: str) -> None:
         if batch == self.plan.spec_batches[0] and not any(r["batch"] == batch for r in self.results.get("draft_step", [])):
             if self.time_left(f"draft_step b{batch}"):
-                self.draft_step(batch, attn)
-        for label, fn in (("verify", lambda: self.verify(batch, gamma + 1, attn)),
-                          ("chain", lambda: self.chain(batch, gamma, attn)),
-                          ("rebuild", lambda: self.rebuild(batch, gamma + 1, attn)),
-                          ("round", lambda: self.round(batch, gamma, attn))):
+                self.draft_step(batch, kernels)
+        for label, fn in (("verify", lambda: self.verify(batch, gamma + 1, kernels)),
+                          ("chain", lambda: self.chain(batch, gamma, kernels)),
+                          ("rebuild", lambda: self.rebuild(batch, gamma + 1, kernels)),
+                          ("round", lambda: self.round(batch, gamma, kernels))):
             if self.time_left(f"{label} b{batch} g{gamma}"):
                 fn()
 
 
 def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 256, batch: int = 1,
-               attn: str | None = None, reps: int = 5, inner: int = 5, with_floor: bool = False) -> dict:
+               kernels: str | None = None, reps: int = 5, inner: int = 5, with_floor: bool = False) -> dict:
     """Times a speculative round and its parts for loaded models on the current device (for notebooks):
     the spec-off step, one draft step, the draft chain, the verify step, the rebuild and the round, in ms.
     with_floor also measures the copy bandwidth so each row carries its memory-bandwidth floor."""
-    from eagle3_jax.attention import default_impl
-
     plan = dataclasses.replace(tiny_plan(), target=target.config, drafter=drafter.config, batches=(batch,),
                                kv_lengths=(kv_length,), spec_batches=(batch,), spec_kv_length=kv_length,
                                gammas=(gamma,), reps=reps, inner=inner, copy_bytes=256 << 20)
     dtype = target.params["embed"].dtype
-    bench = Bench(plan, (attn or default_impl(target.config.head_dim, drafter.config.head_dim),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
+    bench = Bench(plan, (kernels or kernels_lib.default(target.config.head_dim, drafter.config.head_dim),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
     if with_floor:
         bench.ceilings()
-    impl = bench.attn[0]
+    impl = bench.kernels[0]
     bench.decode(batch, kv_length, impl)
     bench.draft_step(batch, impl)
     bench.verify(batch, gamma + 1, impl)
@@ -468,7 +481,7 @@ def summary(results: dict) -> str:
     lines.append(f"{'step':34s} {'ms':>9s} {'floor ms':>9s} {'x floor':>8s} {'compile s':>9s}")
     for section in ("decode", "verify", "draft_step", "chain", "rebuild", "round"):
         for r in results.get(section, []):
-            keys = [f"{k}={r[k]}" for k in ("batch", "kv_len", "tokens", "gamma", "attn") if k in r]
+            keys = [f"{k}={r[k]}" for k in ("batch", "kv_len", "tokens", "gamma", "kernels") if k in r]
             label = f"{section} {' '.join(keys)}"
             lines.append(f"{label:34s} {r['time_ms']:9.3f} {r['floor_ms']:9.3f} {r['ratio']:8.2f} {r['compile_s']:9.1f}")
             if section == "round" and "overhead" in r:
@@ -512,7 +525,8 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-jax bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
-    parser.add_argument("--attn", nargs="+", help="attention implementations to compare (first is used throughout)")
+    parser.add_argument("--kernels", nargs="+", choices=kernels_lib.CHOICES,
+                        help="kernel choices to compare (see eagle3_jax/kernels.py; the first is used throughout)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
@@ -523,11 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tiny = args.tiny or jax.default_backend() == "cpu"
     plan = tiny_plan() if tiny else qwen3_8b_plan()
-    attn = tuple(args.attn or (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
+    kernels = tuple(args.kernels or (["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
-    bench = Bench(plan, attn, args.budget_s, dtype, out)
+    bench = Bench(plan, kernels, args.budget_s, dtype, out)
     bench.with_peer = not args.no_peer
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
                                                      "drafter": dataclasses.asdict(plan.drafter)})
@@ -536,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         results = bench.results
     elif args.variants_only:
         bench.ceilings()
-        for attn_impl in attn:
-            bench.variants(plan.batches[0], plan.kv_lengths[0], attn_impl)
+        for choice in kernels:
+            bench.variants(plan.batches[0], plan.kv_lengths[0], choice)
         results = bench.results
     else:
         results = bench.run()
@@ -548,8 +562,13 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib not installed: no plot")
     print(summary(results))
     for v in results.get("variants", []):
-        parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernels']} kernels)" for k in ("step", "forward_no_head", "matmuls_only"))
-        print(f"variants b{v['batch']} l{v['kv_len']} {v['attn']} [{v['xla_flags']}]: floor {v['floor_ms']:.3f} ms; {parts}")
+        parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernel_count']} kernels)" for k in ("step", "forward_no_head", "matmuls_only"))
+        print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: floor {v['floor_ms']:.3f} ms; {parts}")
+        step = v["step"]
+        if "kernel_busy_ms" in step:
+            print(f"  GPU busy {step['kernel_busy_ms']:.3f} ms in {step['launches']:.0f} launches; top kernels (launches, us per step):")
+            for name, (count, us) in list(step["kernels"].items())[:12]:
+                print(f"    {us:8.1f} us {count:5.0f}x  {name[:90]}")
     return 0
 
 

@@ -70,7 +70,7 @@ def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.
     return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, attn_impl: str):
+def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, kernels: str):
     """One drafter pass over T pairs (h_t, token_{t+1}) at positions cache.lengths + t.
 
     h [B, T, D] is either `project_features` of target features or the drafter's own carried hidden.
@@ -83,7 +83,7 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["embed_norm"], eps), normed_h], axis=-1)
-    q, k, v = jnp.split(linear(x, params["wqkv"]), [N * H, (N + K) * H], axis=-1)
+    q, k, v = jnp.split(linear(x, params["wqkv"], kernels), [N * H, (N + K) * H], axis=-1)
     q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
     if cfg.qk_norm:
         q, k = rms_norm(q, params["q_norm"], eps), rms_norm(k, params["k_norm"], eps)
@@ -92,20 +92,20 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf = kv_cache.write(cache.k[0], k, positions)
     v_buf = kv_cache.write(cache.v[0], v, positions)
-    attn = attend(q, k_buf, v_buf, cache.lengths, attn_impl)
-    h = residual + linear(attn.reshape(B, T, N * H), params["wo"])
-    h = h + gated_mlp(rms_norm(h, params["mlp_norm"], eps), params["w_gate_up"], params["w_down"])
+    attn = attend(q, k_buf, v_buf, cache.lengths, kernels)
+    h = residual + linear(attn.reshape(B, T, N * H), params["wo"], kernels)
+    h = h + gated_mlp(h, params["mlp_norm"], eps, params["w_gate_up"], params["w_down"], kernels)
     return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
 
-def project_features(params, cfg: DrafterConfig, features) -> jax.Array:
+def project_features(params, cfg: DrafterConfig, features, kernels: str = "xla") -> jax.Array:
     """Target features [..., C] -> the drafter's hidden width [..., D] through fc (and its norms)."""
     if cfg.norm_before_fc:
         features = rms_norm(features, params["feature_norm"], cfg.rms_norm_eps)
     if cfg.fc_norm:
         chunks = jnp.split(features, len(cfg.capture_layers), axis=-1)
         features = jnp.concatenate([rms_norm(c, w, cfg.rms_norm_eps) for c, w in zip(chunks, params["fc_norms"])], -1)
-    return linear(features, params["fc"])
+    return linear(features, params["fc"], kernels)
 
 
 def carried(params, cfg: DrafterConfig, hidden) -> jax.Array:
@@ -113,19 +113,19 @@ def carried(params, cfg: DrafterConfig, hidden) -> jax.Array:
     return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps) if cfg.norm_output else hidden
 
 
-def draft_logits(params, cfg: DrafterConfig, hidden) -> jax.Array:
+def draft_logits(params, cfg: DrafterConfig, hidden, kernels: str = "xla") -> jax.Array:
     """Pre-norm hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""
     normed = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...d,vd->...v", normed, params["lm_head"], preferred_element_type=jnp.float32)
+    return linear(normed, params["lm_head"], kernels, out_dtype=jnp.float32)
 
 
-def draft_token(params, cfg: DrafterConfig, hidden) -> jax.Array:
+def draft_token(params, cfg: DrafterConfig, hidden, kernels: str = "xla") -> jax.Array:
     """Greedy draft: argmax over the draft vocabulary, then d2t maps it to a target id (no scatter)."""
-    draft_id = jnp.argmax(draft_logits(params, cfg, hidden), axis=-1)
+    draft_id = jnp.argmax(draft_logits(params, cfg, hidden, kernels), axis=-1)
     return (draft_id + params["d2t"][draft_id]).astype(jnp.int32)
 
 
-def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, attn_impl: str):
+def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, kernels: str):
     """gamma greedy drafts from hidden [B, D], the pre-norm output at the newest committed pair.
 
     d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
@@ -133,13 +133,13 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
     (target ids) and the cache holding the speculative entries (lengths unchanged: they are
     discarded by the rebuild after verify).
     """
-    first = draft_token(params, cfg, hidden)
+    first = draft_token(params, cfg, hidden, kernels)
 
     def step(carry, k):
         h, token, buf = carry
-        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), attn_impl)
+        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels)
         out = out[:, 0]
-        nxt = draft_token(params, cfg, out)
+        nxt = draft_token(params, cfg, out, kernels)
         return (carried(params, cfg, out), nxt, buf), nxt
 
     (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
-from eagle3_jax import attention, spec_round
+from eagle3_jax import kernels as kernels_lib
+from eagle3_jax import spec_round
 from eagle3_jax.checkpoint import Target
 
 _MIN_PREFILL_BUCKET = 16
@@ -54,7 +55,7 @@ class _RoundOutput:
     done: np.ndarray  # [B] bool
 
     @classmethod
-    def unpack(cls, packed: np.ndarray) -> "_RoundOutput":
+    def unpack(cls, packed: np.ndarray) -> _RoundOutput:
         gamma = (packed.shape[1] - 4) // 2
         choices, drafts = packed[:, : gamma + 1], packed[:, gamma + 1 : 2 * gamma + 1]
         num_emit, accepted, done = packed[:, -3], packed[:, -2], packed[:, -1].astype(bool)
@@ -66,16 +67,12 @@ class Engine:
     output is token for token what plain greedy decoding of the target gives."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
-                 attn_impl: str | None = None):
+                 kernels: str | None = None):
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
-        impl = attn_impl or attention.default_impl(*head_dims)
-        if impl not in attention.IMPLEMENTATIONS:
-            raise ValueError(f"attn_impl must be one of {attention.IMPLEMENTATIONS}, got {impl!r}")
-        if impl == "pallas" and not all(attention.pallas_supports(h) for h in head_dims):
-            raise ValueError(f"attn_impl='pallas' needs power-of-two head_dims >= 16, got {head_dims}")
+        kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         self.target, self.drafter, self.max_len = target, drafter, max_len
@@ -85,7 +82,7 @@ class Engine:
             drafter=drafter.config if drafter is not None else None,
             gamma=self.num_draft_tokens,
             max_len=max_len,
-            attn_impl=impl,
+            kernels=kernels,
         )
         self._prefill = jax.jit(functools.partial(spec_round.prefill, spec=self._spec))
         self._round = jax.jit(functools.partial(spec_round.spec_round, spec=self._spec), donate_argnums=(2,))

@@ -4,7 +4,10 @@ and the jitted step functions it times (each donates its last argument, the stat
 from __future__ import annotations
 
 import functools
+import glob
+import shutil
 import statistics
+import tempfile
 import time
 
 import jax
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 from eagle3_jax import drafter as drafter_lib
 from eagle3_jax import target as target_lib
 from eagle3_jax.kv_cache import KVCache
+from eagle3_jax.layers import linear
 
 
 def random_tree(abstract, seed: int):
@@ -58,6 +62,31 @@ def time_chain(compiled, state, args, reps: int, inner: int):
         jax.block_until_ready(state)
         samples.append((time.perf_counter() - start) / inner)
     return statistics.median(samples), state
+
+
+def gpu_kernel_times(run, reps: int = 2) -> dict[str, list]:
+    """{kernel name: [launches, GPU microseconds]} per run(), from a jax.profiler trace ({} without a GPU)."""
+    if jax.default_backend() != "gpu":
+        return {}
+    run()  # not traced: the first call after a trace starts can pay for setup
+    log_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(log_dir)
+    for _ in range(reps):
+        jax.block_until_ready(run())
+    jax.profiler.stop_trace()
+    trace = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0]
+    data = jax.profiler.ProfileData.from_file(trace)
+    shutil.rmtree(log_dir)
+    found: dict[str, list] = {}
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if "stream" in line.name.lower():  # kernels, not derived lines like "XLA Ops"
+                    for event in line.events:
+                        entry = found.setdefault(event.name, [0, 0.0])
+                        entry[0] += 1 / reps
+                        entry[1] += event.duration_ns / reps / 1e3
+    return found
 
 
 def compile_timed(jitted, *args):
@@ -127,43 +156,43 @@ def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
     return num_layers * 2 * batch * length * kv_heads * head_dim * itemsize
 
 
-def target_step(params, tokens, cache, *, cfg, capture, attn):
-    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, attn)
-    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
+def target_step(params, tokens, cache, *, cfg, capture, kernels):
+    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
+    return cache, (jnp.argmax(target_lib.logits(params, hidden, kernels), -1), features)
 
 
-def draft_step(params, embed, h, token, cache, *, cfg, attn):
-    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, attn)
-    return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
+def draft_step(params, embed, h, token, cache, *, cfg, kernels):
+    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, kernels)
+    return cache, drafter_lib.draft_token(params, cfg, out[:, 0], kernels)
 
 
-def rebuild_step(params, embed, features, tokens, cache, *, cfg, attn):
-    h = drafter_lib.project_features(params, cfg, features)
-    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, attn)
+def rebuild_step(params, embed, features, tokens, cache, *, cfg, kernels):
+    h = drafter_lib.project_features(params, cfg, features, kernels)
+    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, kernels)
     return cache, out[:, -1]
 
 
-def chain_step(params, embed, h, cache, *, cfg, gamma, attn):
-    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, attn)
+def chain_step(params, embed, h, cache, *, cfg, gamma, kernels):
+    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, kernels)
     return cache, drafts
 
 
-def forward_only(params, tokens, cache, *, cfg, attn):
-    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), attn)
+def forward_only(params, tokens, cache, *, cfg, kernels):
+    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), kernels)
     return cache, hidden
 
 
-def matmuls_only(params, x, state, *, cfg):
+def matmuls_only(params, x, state, *, cfg, kernels):
     """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
-    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
-    can reach."""
+    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these
+    matmuls can reach."""
     N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
     for layer in params["layers"]:
-        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
-        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
-        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
-        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
-    return state + 1, target_lib.logits(params, x).argmax(-1)
+        qkv = linear(x, layer["wqkv"], kernels)
+        x = linear(qkv[:, : N * H], layer["wo"], kernels)
+        gate_up = linear(x, layer["w_gate_up"], kernels)
+        x = linear(gate_up[:, :I], layer["w_down"], kernels)
+    return state + 1, target_lib.logits(params, x, kernels).argmax(-1)
 
 
 def jit_step(fn, num_args, **static):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from eagle3_jax import kv_cache
 from eagle3_jax.attention import attend
 from eagle3_jax.config import Qwen3Config
-from eagle3_jax.layers import apply_rope, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.layers import apply_rope, gated_mlp, linear, normed_linear, rms_norm, rope_tables
 
 Params = dict
 
@@ -52,18 +52,18 @@ def new_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.KV
     return kv_cache.KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def _attention_block(layer, cfg: Qwen3Config, x, cos, sin, k_buf, v_buf, start, positions, attn_impl):
+def _attention_block(layer, cfg: Qwen3Config, x, cos, sin, k_buf, v_buf, start, positions, kernels):
     B, T, _ = x.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), layer["wqkv"])
+    qkv = normed_linear(x, layer["attn_norm"], cfg.rms_norm_eps, layer["wqkv"], kernels)
     q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
     # Qwen3 normalises q and k per head before RoPE.
     q = apply_rope(rms_norm(q.reshape(B, T, N, H), layer["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm(k.reshape(B, T, K, H), layer["k_norm"], cfg.rms_norm_eps), cos, sin)
     k_buf = kv_cache.write(k_buf, k, positions)
     v_buf = kv_cache.write(v_buf, v.reshape(B, T, K, H), positions)
-    out = attend(q, k_buf, v_buf, start, attn_impl)
-    return linear(out.reshape(B, T, N * H), layer["wo"]), k_buf, v_buf
+    out = attend(q, k_buf, v_buf, start, kernels)
+    return linear(out.reshape(B, T, N * H), layer["wo"], kernels), k_buf, v_buf
 
 
 def forward(
@@ -72,7 +72,7 @@ def forward(
     tokens: jax.Array,
     cache: kv_cache.KVCache,
     capture_layers: tuple[int, ...] = (),
-    attn_impl: str = "xla",
+    kernels: str = "xla",
 ):
     """Runs tokens [B, T] at positions cache.lengths + t, writing their K/V into the cache.
 
@@ -90,10 +90,10 @@ def forward(
             captured[i] = x
         with jax.named_scope(f"layer_{i}"):
             attn, k_buf, v_buf = _attention_block(
-                layer, cfg, x, cos, sin, cache.k[i], cache.v[i], cache.lengths, positions, attn_impl
+                layer, cfg, x, cos, sin, cache.k[i], cache.v[i], cache.lengths, positions, kernels
             )
             x = x + attn
-            x = x + gated_mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer["w_gate_up"], layer["w_down"])
+            x = x + gated_mlp(x, layer["mlp_norm"], cfg.rms_norm_eps, layer["w_gate_up"], layer["w_down"], kernels)
         new_k.append(k_buf)
         new_v.append(v_buf)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -101,7 +101,7 @@ def forward(
     return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
+def logits(params: Params, hidden: jax.Array, kernels: str = "xla") -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V] (the lm_head, or the embedding when tied)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"]
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return linear(hidden, w, kernels, out_dtype=jnp.float32)

@@ -21,15 +21,11 @@ by the copy kernel's rate (a jnp.copy of 4 GiB, bytes read + written).
 DECODE_TUNING / PREFILL_TUNINGS (JSON) override the tunings.
 """
 
-import collections
-import glob
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from functools import partial
@@ -37,6 +33,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax import measure
 from eagle3_jax.attention import xla_attention
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
 
@@ -52,7 +49,6 @@ COPY_ELEMENTS, MATMUL_N = (2**20, 256) if DRY else (2**30, 8192)
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))
 T0 = time.perf_counter()
 ROWS = []
-GPU_LINES = set()  # names of the GPU trace lines seen, for the record
 
 
 def _save():
@@ -71,7 +67,7 @@ def _short(e):
     return text[:300] + (" ... " + text[-600:] if len(text) > 900 else "")
 
 
-def _median_wall(run, overhead, iters=None, min_s=0.25):
+def median_wall(run, overhead, iters=None, min_s=0.25):
     times = []
     while len(times) < (iters or 5) or (not iters and sum(times) < min_s and len(times) < 50):
         t = time.perf_counter()
@@ -80,34 +76,19 @@ def _median_wall(run, overhead, iters=None, min_s=0.25):
     return max(statistics.median(times) - overhead, 1e-9)
 
 
-def _dispatch_overhead():
+def dispatch_overhead():
     """Wall time of an (almost) empty jit, dispatch to block_until_ready."""
     f = jax.jit(lambda x: x + 1)
     x = jnp.ones((8,), jnp.float32)
     f(x).block_until_ready()
-    return _median_wall(lambda: f(x), 0.0, iters=50)
+    return median_wall(lambda: f(x), 0.0, iters=50)
 
 
-def _kernel_ns(run, reps=2):
+def kernel_ns(run, reps=2):
     """{kernel name: GPU ns per run()} from a profiler trace ({} if none)."""
     if DRY:
         return {}
-    log_dir = tempfile.mkdtemp()
-    jax.profiler.start_trace(log_dir)
-    for _ in range(reps):
-        jax.block_until_ready(run())
-    jax.profiler.stop_trace()
-    data = jax.profiler.ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
-    shutil.rmtree(log_dir)
-    found = collections.Counter()
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            GPU_LINES.update(line.name for line in plane.lines)
-            for line in plane.lines:
-                if "stream" in line.name.lower():  # not derived lines like "XLA Ops"
-                    for event in line.events:
-                        found[event.name] += event.duration_ns / reps
-    return dict(found)
+    return {name: us * 1e3 for name, (_, us) in measure.gpu_kernel_times(run, reps).items()}
 
 
 def _batched(op, qs, kv_sets, start):
@@ -145,19 +126,19 @@ def ceilings(overhead):
     row = {"kind": "ceilings", "overhead_us": overhead * 1e6}
     copy = jax.jit(jnp.copy)
     copy(x).block_until_ready()
-    row["copy_TBps"] = 2 * x.nbytes / _median_wall(lambda: copy(x), overhead, iters=10) / 1e12
+    row["copy_TBps"] = 2 * x.nbytes / median_wall(lambda: copy(x), overhead, iters=10) / 1e12
     try:
-        kernels = _kernel_ns(lambda: copy(x))
+        kernels = kernel_ns(lambda: copy(x))
         if kernels:
             row["copy_dev_TBps"] = 2 * x.nbytes / sum(kernels.values()) / 1e3
-        row["copy_kernels"], row["gpu_lines"] = kernels, sorted(GPU_LINES)
+        row["copy_kernels"] = kernels
     except Exception as e:  # a trace that fails only costs the dev columns
         row["profile_error"] = _short(e)
     del x
     a, b = (jax.random.normal(jax.random.key(i), (MATMUL_N, MATMUL_N), DTYPE) for i in (1, 2))
     mm = jax.jit(jnp.matmul)
     mm(a, b).block_until_ready()
-    row["matmul_TFLOPs"] = 2 * MATMUL_N**3 / _median_wall(lambda: mm(a, b), overhead, iters=10) / 1e12
+    row["matmul_TFLOPs"] = 2 * MATMUL_N**3 / median_wall(lambda: mm(a, b), overhead, iters=10) / 1e12
     print(f"ceilings: {row}", flush=True)
     ROWS.append(row)
     return row
@@ -174,9 +155,9 @@ def _kv_sets(key, B, L):
 
 
 def _time_pallas(row, run, calls, overhead):
-    row["pallas_us"] = _median_wall(run, overhead) / calls * 1e6
+    row["pallas_us"] = median_wall(run, overhead) / calls * 1e6
     try:
-        kernels = _kernel_ns(run)
+        kernels = kernel_ns(run)
     except Exception as e:
         row["profile_error"] = _short(e)
         return
@@ -201,7 +182,7 @@ def decode_row(key, B, L, T, kv_sets, overhead, tuning, copy_bw, with_xla):
             if name == "pallas":
                 _time_pallas(row, run, len(qs), overhead)
             else:
-                row[f"{name}_us"] = _median_wall(run, overhead) / len(qs) * 1e6
+                row[f"{name}_us"] = median_wall(run, overhead) / len(qs) * 1e6
         except Exception as e:  # report and carry on: one call must tell all
             row[f"{name}_error"] = _short(e)
     kv_bytes = 2 * B * K * L * H * 2
@@ -303,7 +284,7 @@ def prefill_row(T, overhead, matmul_tflops, tunings):
         kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if (name == "cudnn") else (k, v)
         try:
             run, out = _batched(op, qs, [kv] * len(qs), start)
-            row[f"{name}_TFLOPs"] = flops * len(qs) / _median_wall(run, overhead) / 1e12
+            row[f"{name}_TFLOPs"] = flops * len(qs) / median_wall(run, overhead) / 1e12
             row[f"{name}_of_matmul"] = row[f"{name}_TFLOPs"] / matmul_tflops
             row[f"{name}_err"] = _rel_err(out, ref)
         except Exception as e:
@@ -325,7 +306,7 @@ def prefill_row(T, overhead, matmul_tflops, tunings):
 
 def main(sections):
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; sections {sections}", flush=True)
-    overhead = _dispatch_overhead()
+    overhead = dispatch_overhead()
     limits = ceilings(overhead)
     copy_bw = {k: v for k, v in limits.items() if k.startswith("copy_")}
     if "sweep" in sections:

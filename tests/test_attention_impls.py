@@ -1,6 +1,6 @@
-"""The model with the Pallas kernels (interpret mode on the CPU) against the model with XLA attention:
-same logits, same greedy and speculative output. The kernels themselves are checked against their
-reference in test_pallas_attention.py."""
+"""The model with each kernel choice (eagle3_jax/kernels.py; the Pallas kernels in interpret mode on
+the CPU) against the model with XLA's: same logits, same greedy and speculative output. The kernels
+themselves are checked against their references in test_pallas_attention.py and test_skinny_matmul.py."""
 
 import dataclasses
 
@@ -10,6 +10,7 @@ import pytest
 
 import eagle3_jax
 from eagle3_jax import target as target_lib
+from eagle3_jax.kernels import CHOICES
 import drafter_oracle as oracle
 from hf_models import build_model, save_model
 
@@ -32,26 +33,27 @@ def test_forward_logits_agree(models):
     cfg = target.config
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 20)), jnp.int32)  # > 16: the prefill kernel
     out = {}
-    for impl in ("xla", "pallas"):
+    for impl in CHOICES:
         cache = target_lib.new_cache(cfg, 2, 40, jnp.float32)
         hidden, cache, _ = target_lib.forward(target.params, cfg, tokens, cache, (), impl)
         cache = cache.with_lengths(jnp.array([20, 13], jnp.int32))
         step, _, _ = target_lib.forward(target.params, cfg, tokens[:, :3], cache, (), impl)  # the decode kernel
         out[impl] = np.concatenate([hidden, step], axis=1)
-    np.testing.assert_allclose(out["pallas"], out["xla"], rtol=1e-5, atol=1e-5)
+    for impl in CHOICES:
+        np.testing.assert_allclose(out[impl], out["xla"], rtol=1e-5, atol=1e-5)
 
 
 def test_engine_output_agrees(models):
     target, drafter = models
     prompts = [[5, 17, 3, 9], list(range(1, 21))]
     for d in (None, drafter):
-        results = {impl: eagle3_jax.Engine(target, d, num_draft_tokens=2, max_len=48, attn_impl=impl).generate(prompts, 6)
-                   for impl in ("xla", "pallas")}
-        assert results["pallas"] == results["xla"]
+        results = {impl: eagle3_jax.Engine(target, d, num_draft_tokens=2, max_len=48, kernels=impl).generate(prompts, 6)
+                   for impl in CHOICES}
+        assert results["pallas"] == results["pallas_attention"] == results["xla"]
 
 
 def test_pallas_refuses_unsupported_head_dim(models):
     target, _ = models
     odd = dataclasses.replace(target, config=dataclasses.replace(target.config, head_dim=24))
     with pytest.raises(ValueError, match="power-of-two head_dims"):
-        eagle3_jax.Engine(odd, max_len=32, attn_impl="pallas")
+        eagle3_jax.Engine(odd, max_len=32, kernels="pallas")

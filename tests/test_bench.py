@@ -7,7 +7,7 @@ from eagle3_jax import bench
 
 
 def test_bench_smoke(tmp_path):
-    assert bench.main(["--tiny", "--out", str(tmp_path), "--attn", "xla"]) == 0
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--kernels", "xla"]) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["skipped"] == []
     assert {"copy_tbps", "matmul_tflops"} <= set(results["ceilings"])

@@ -100,5 +100,5 @@ def test_engine_refuses_bad_settings(model_and_target):
     _, tgt = model_and_target
     with pytest.raises(ValueError, match="max_len"):
         eagle3_jax.Engine(tgt, max_len=10_000)
-    with pytest.raises(ValueError, match="attn_impl"):
-        eagle3_jax.Engine(tgt, max_len=64, attn_impl="cuda")
+    with pytest.raises(ValueError, match="kernels"):
+        eagle3_jax.Engine(tgt, max_len=64, kernels="cuda")

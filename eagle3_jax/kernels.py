@@ -1,0 +1,48 @@
+"""Which implementation runs the hot ops of a step: attention, and the few-row matmuls of decode/verify.
+
+  "xla"               plain jnp everywhere: the reference, and the CPU default
+  "pallas"            the Pallas kernels of `pallas_kernels/` for attention and for every matmul of at
+                      most skinny_matmul.MAX_ROWS rows (prefill's matmuls stay XLA's); the GPU default
+  "pallas_attention"  Pallas attention with XLA's matmuls (to measure what each kernel brings)
+
+Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import jax
+
+CHOICES = ("xla", "pallas", "pallas_attention")
+
+
+def check(kernels: str, *head_dims: int) -> str:
+    """kernels, validated against the head_dims of the models it will run."""
+    if kernels not in CHOICES:
+        raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
+    if kernels != "xla" and not all(pallas_attention_supports(h) for h in head_dims):
+        raise ValueError(f"kernels={kernels!r} needs power-of-two head_dims >= 16, got {head_dims}")
+    return kernels
+
+
+def default(*head_dims: int) -> str:
+    """Pallas on GPU when the attention kernels support every head_dim given, XLA elsewhere."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "pallas" if on_gpu and all(pallas_attention_supports(h) for h in head_dims) else "xla"
+
+
+def pallas_attention_supports(head_dim: int) -> bool:
+    """The attention kernels' Triton block shapes need a power-of-two head_dim of at least 16 (Qwen3: 128)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def attention_in_pallas(kernels: str) -> bool:
+    return kernels in ("pallas", "pallas_attention")
+
+
+def matmuls_in_pallas(kernels: str) -> bool:
+    return kernels == "pallas"
+
+
+def interpret() -> bool:
+    """Pallas kernels run compiled on the GPU and interpreted elsewhere."""
+    return jax.default_backend() != "gpu"
