@@ -12,8 +12,33 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from eagle3_jax import kernels as kernels_lib
+from eagle3_jax import kv_cache
+from eagle3_jax.layers import apply_rope, rms_norm
 
 _DECODE_KERNEL_MAX_TOKENS = 16  # decode/verify/rebuild steps; longer runs (prefill) use the flash kernel
+
+
+def rotate_and_cache(qkv, cos, sin, k_cache, v_cache, start, *, num_heads: int, q_norm, k_norm, eps: float,
+                     kernels: str):
+    """The fused q/k/v projection [B, T, (N + 2K) H] -> attention's inputs.
+
+    q and k are RMS-normalised per head when q_norm and k_norm are given (Qwen3 layers), then
+    rotated by RoPE (cos, sin [B, T, H]); k and v of token t go into the caches [B, K, S, H] at
+    start[b] + t. Returns (q [B, T, N, H], k_cache, v_cache). One kernel with the Pallas kernels
+    (pallas_kernels/rope_cache_write.py), about eight with XLA's.
+    """
+    if kernels_lib.fused_in_pallas(kernels):
+        return pallas_kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=num_heads,
+                                               q_norm=q_norm, k_norm=k_norm, eps=eps, interpret=kernels_lib.interpret())
+    B, T, _ = qkv.shape
+    N, K, H = num_heads, k_cache.shape[1], k_cache.shape[3]
+    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+    q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    return q, kv_cache.write(k_cache, k, positions), kv_cache.write(v_cache, v, positions)
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, kernels: str) -> jax.Array:
@@ -21,7 +46,8 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Arra
     scale = q.shape[-1] ** -0.5
     if not kernels_lib.attention_in_pallas(kernels):
         return xla_attention(q, k_cache, v_cache, start, scale=scale)
-    kernel = pallas_kernels.decode_attention if q.shape[1] <= _DECODE_KERNEL_MAX_TOKENS else pallas_kernels.prefill_attention
+    short = q.shape[1] <= _DECODE_KERNEL_MAX_TOKENS
+    kernel = pallas_kernels.decode_attention if short else pallas_kernels.prefill_attention
     return kernel(q, k_cache, v_cache, start, scale=scale, interpret=kernels_lib.interpret())
 
 

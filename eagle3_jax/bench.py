@@ -275,7 +275,7 @@ class Bench:
         tokens = jnp.zeros((batch, 1), jnp.int32) + 3
         for name, step, args in (
             ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, kernels=kernels), (self.tparams, tokens)),
-            ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t, kernels=kernels),
+            ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t),
              (self.tparams, measure.normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
         ):
             state = cache if name != "matmuls_only" else jnp.zeros((), jnp.int32)

@@ -128,7 +128,7 @@ class Qwen3Config:
         return (2, n // 2, n - 3)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "Qwen3Config":
         model_type = raw.get("model_type")
         architectures = tuple(raw.get("architectures") or ())
         if model_type != "qwen3" or (architectures and not set(architectures) & set(_QWEN3_ARCHITECTURES)):
@@ -157,7 +157,7 @@ class Qwen3Config:
             raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Qwen3Config:
+    def from_file(cls, path: str | Path) -> "Qwen3Config":
         return cls.from_dict(read_json(Path(path)), where=str(path))
 
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import kv_cache
-from eagle3_jax.attention import attend
+from eagle3_jax.attention import attend, rotate_and_cache
 from eagle3_jax.config import RopeConfig
-from eagle3_jax.layers import apply_rope, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,29 +83,27 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["embed_norm"], eps), normed_h], axis=-1)
-    q, k, v = jnp.split(linear(x, params["wqkv"], kernels), [N * H, (N + K) * H], axis=-1)
-    q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, params["q_norm"], eps), rms_norm(k, params["k_norm"], eps)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(positions, cfg.rope, h.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_buf = kv_cache.write(cache.k[0], k, positions)
-    v_buf = kv_cache.write(cache.v[0], v, positions)
+    q, k_buf, v_buf = rotate_and_cache(
+        linear(x, params["wqkv"], kernels), cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=N,
+        q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
+        eps=eps, kernels=kernels,
+    )
     attn = attend(q, k_buf, v_buf, cache.lengths, kernels)
-    h = residual + linear(attn.reshape(B, T, N * H), params["wo"], kernels)
-    h = h + gated_mlp(h, params["mlp_norm"], eps, params["w_gate_up"], params["w_down"], kernels)
+    h, normed = add_rms_norm(residual, linear(attn.reshape(B, T, N * H), params["wo"], kernels), params["mlp_norm"], eps, kernels)
+    h = h + gated_mlp(normed, params["w_gate_up"], params["w_down"], kernels)
     return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
 
-def project_features(params, cfg: DrafterConfig, features, kernels: str = "xla") -> jax.Array:
+def project_features(params, cfg: DrafterConfig, features) -> jax.Array:
     """Target features [..., C] -> the drafter's hidden width [..., D] through fc (and its norms)."""
     if cfg.norm_before_fc:
         features = rms_norm(features, params["feature_norm"], cfg.rms_norm_eps)
     if cfg.fc_norm:
         chunks = jnp.split(features, len(cfg.capture_layers), axis=-1)
         features = jnp.concatenate([rms_norm(c, w, cfg.rms_norm_eps) for c, w in zip(chunks, params["fc_norms"])], -1)
-    return linear(features, params["fc"], kernels)
+    return linear(features, params["fc"])
 
 
 def carried(params, cfg: DrafterConfig, hidden) -> jax.Array:
@@ -113,15 +111,15 @@ def carried(params, cfg: DrafterConfig, hidden) -> jax.Array:
     return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps) if cfg.norm_output else hidden
 
 
-def draft_logits(params, cfg: DrafterConfig, hidden, kernels: str = "xla") -> jax.Array:
+def draft_logits(params, cfg: DrafterConfig, hidden) -> jax.Array:
     """Pre-norm hidden [..., D] -> float32 logits over the draft vocabulary [..., Vd]."""
     normed = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    return linear(normed, params["lm_head"], kernels, out_dtype=jnp.float32)
+    return jnp.einsum("...d,vd->...v", normed, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def draft_token(params, cfg: DrafterConfig, hidden, kernels: str = "xla") -> jax.Array:
+def draft_token(params, cfg: DrafterConfig, hidden) -> jax.Array:
     """Greedy draft: argmax over the draft vocabulary, then d2t maps it to a target id (no scatter)."""
-    draft_id = jnp.argmax(draft_logits(params, cfg, hidden, kernels), axis=-1)
+    draft_id = jnp.argmax(draft_logits(params, cfg, hidden), axis=-1)
     return (draft_id + params["d2t"][draft_id]).astype(jnp.int32)
 
 
@@ -133,13 +131,13 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
     (target ids) and the cache holding the speculative entries (lengths unchanged: they are
     discarded by the rebuild after verify).
     """
-    first = draft_token(params, cfg, hidden, kernels)
+    first = draft_token(params, cfg, hidden)
 
     def step(carry, k):
         h, token, buf = carry
         out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels)
         out = out[:, 0]
-        nxt = draft_token(params, cfg, out, kernels)
+        nxt = draft_token(params, cfg, out)
         return (carried(params, cfg, out), nxt, buf), nxt
 
     (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))

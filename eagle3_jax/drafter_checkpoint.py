@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import drafter as drafter_lib
 from eagle3_jax import safetensors_io
+from eagle3_jax import drafter as drafter_lib
 from eagle3_jax.checkpoint import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
 from eagle3_jax.config import RopeConfig, parse_rope, read_json
 from eagle3_jax.drafter import DrafterConfig

@@ -1,9 +1,10 @@
-"""Which implementation runs the hot ops of a step: attention, and the few-row matmuls of decode/verify.
+"""Which implementation runs the hot ops of a step: attention, and the small ops around it.
 
   "xla"               plain jnp everywhere: the reference, and the CPU default
-  "pallas"            the Pallas kernels of `pallas_kernels/` for attention and for every matmul of at
-                      most skinny_matmul.MAX_ROWS rows (prefill's matmuls stay XLA's); the GPU default
-  "pallas_attention"  Pallas attention with XLA's matmuls (to measure what each kernel brings)
+  "pallas"            the Pallas kernels of `pallas_kernels/`: attention, and the small ops between the
+                      matmuls fused (residual add + RMSNorm; q/k norm + RoPE + KV-cache write);
+                      the GPU default. The matmuls stay XLA's, whose GEMMs measured faster.
+  "pallas_attention"  Pallas attention only (to measure what the fused kernels bring)
 
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
 """
@@ -39,7 +40,7 @@ def attention_in_pallas(kernels: str) -> bool:
     return kernels in ("pallas", "pallas_attention")
 
 
-def matmuls_in_pallas(kernels: str) -> bool:
+def fused_in_pallas(kernels: str) -> bool:
     return kernels == "pallas"
 
 

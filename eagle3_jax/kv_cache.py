@@ -25,7 +25,7 @@ class KVCache:
         return self.k[0].shape[2]
 
     @classmethod
-    def create(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype) -> KVCache:
+    def create(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype) -> "KVCache":
         shape = (batch, num_kv_heads, capacity, head_dim)
         # Distinct buffers per layer (not one broadcast) so each can be donated and updated in place.
         return cls(
@@ -34,7 +34,7 @@ class KVCache:
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
-    def with_lengths(self, lengths: jax.Array) -> KVCache:
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
 

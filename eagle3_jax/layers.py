@@ -1,4 +1,4 @@
-"""The building blocks shared by the target and the drafter: RMSNorm, RoPE, the matmuls, the gated MLP."""
+"""The building blocks shared by the target and the drafter: RMSNorm, RoPE, the gated MLP."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from eagle3_jax import kernels as kernels_lib
 from eagle3_jax.config import RopeConfig
-from pallas_kernels import skinny_matmul
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -16,6 +16,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, kernels: str):
+    """The residual add and the norm after it: (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
+    One kernel instead of three with the Pallas kernels (pallas_kernels/add_rms_norm.py)."""
+    if kernels_lib.fused_in_pallas(kernels):
+        return pallas_kernels.add_rms_norm(x, delta, weight, eps=eps, interpret=kernels_lib.interpret())
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
 
 
 def rope_tables(positions: jax.Array, rope: RopeConfig, dtype) -> tuple[jax.Array, jax.Array]:
@@ -35,38 +45,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def linear(x: jax.Array, w: jax.Array, kernels: str = "xla", out_dtype=None) -> jax.Array:
-    """x [..., in] times a weight stored as transformers stores it, [out, in]."""
-    if _skinny(x, w.shape[0], kernels):
-        return _pallas_skinny(x, w, out_dtype=out_dtype)
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+def linear(x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
+    """x [..., in] times a weight stored as transformers stores it, [out, in]. With the Pallas kernels
+    a single row goes through the one-kernel matvec (pallas_kernels/matvec.py)."""
+    if _single_row_matvec(x, w, kernels):
+        return pallas_kernels.matvec(x, w, interpret=kernels_lib.interpret())
+    return jnp.einsum("...i,oi->...o", x, w)
 
 
-def normed_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w: jax.Array, kernels: str) -> jax.Array:
-    """linear(rms_norm(x)), the norm fused into the matmul's kernel when it is a Pallas one."""
-    if _skinny(x, w.shape[0], kernels):
-        return _pallas_skinny(x, w, norm_weight=norm_weight, eps=eps)
-    return linear(rms_norm(x, norm_weight, eps), w)
+def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, kernels: str = "xla") -> jax.Array:
+    """SiLU-gated MLP with gate and up fused into one [2I, D] weight (one read of x, one matmul).
+    With the Pallas kernels a single row's silu(gate) * up is formed inside the down projection."""
+    gate_up = jnp.einsum("...i,oi->...o", x, w_gate_up)  # XLA's GEMM measured best for this one
+    if _single_row_matvec(gate_up[..., : w_down.shape[1]], w_down, kernels):
+        return pallas_kernels.matvec(gate_up, w_down, gated_input=True, interpret=kernels_lib.interpret())
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, w_down)
 
 
-def gated_mlp(x, norm_weight, eps: float, w_gate_up, w_down, kernels: str) -> jax.Array:
-    """SiLU-gated MLP of rms_norm(x), gate and up fused into one [2I, D] weight (one read of x).
-
-    With Pallas matmuls the norm, both products and silu(gate) * up are one kernel.
-    """
-    if _skinny(x, w_gate_up.shape[0] // 2, kernels):
-        hidden = _pallas_skinny(x, w_gate_up, norm_weight=norm_weight, eps=eps, gated=True)
-    else:
-        gate, up = jnp.split(linear(rms_norm(x, norm_weight, eps), w_gate_up), 2, axis=-1)
-        hidden = jax.nn.silu(gate) * up
-    return linear(hidden, w_down, kernels)
-
-
-def _skinny(x: jax.Array, out_features: int, kernels: str) -> bool:
-    """Whether this matmul goes to the Pallas skinny-matmul kernel (few rows: decode and verify)."""
-    rows = x.size // x.shape[-1]
-    return kernels_lib.matmuls_in_pallas(kernels) and skinny_matmul.supports(rows, out_features, x.shape[-1])
-
-
-def _pallas_skinny(x, w, **options):
-    return skinny_matmul.skinny_matmul(x, w, interpret=kernels_lib.interpret(), **options)
+def _single_row_matvec(x: jax.Array, w: jax.Array, kernels: str) -> bool:
+    return kernels_lib.fused_in_pallas(kernels) and x.size == x.shape[-1] and pallas_kernels.matvec_supports(*w.shape)

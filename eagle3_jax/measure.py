@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from eagle3_jax import drafter as drafter_lib
 from eagle3_jax import target as target_lib
 from eagle3_jax.kv_cache import KVCache
-from eagle3_jax.layers import linear
 
 
 def random_tree(abstract, seed: int):
@@ -158,16 +157,16 @@ def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
 
 def target_step(params, tokens, cache, *, cfg, capture, kernels):
     hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
-    return cache, (jnp.argmax(target_lib.logits(params, hidden, kernels), -1), features)
+    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
 
 
 def draft_step(params, embed, h, token, cache, *, cfg, kernels):
     out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, kernels)
-    return cache, drafter_lib.draft_token(params, cfg, out[:, 0], kernels)
+    return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
 
 
 def rebuild_step(params, embed, features, tokens, cache, *, cfg, kernels):
-    h = drafter_lib.project_features(params, cfg, features, kernels)
+    h = drafter_lib.project_features(params, cfg, features)
     out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, kernels)
     return cache, out[:, -1]
 
@@ -182,17 +181,17 @@ def forward_only(params, tokens, cache, *, cfg, kernels):
     return cache, hidden
 
 
-def matmuls_only(params, x, state, *, cfg, kernels):
+def matmuls_only(params, x, state, *, cfg):
     """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
-    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these
-    matmuls can reach."""
+    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
+    can reach."""
     N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
     for layer in params["layers"]:
-        qkv = linear(x, layer["wqkv"], kernels)
-        x = linear(qkv[:, : N * H], layer["wo"], kernels)
-        gate_up = linear(x, layer["w_gate_up"], kernels)
-        x = linear(gate_up[:, :I], layer["w_down"], kernels)
-    return state + 1, target_lib.logits(params, x, kernels).argmax(-1)
+        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
+        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
+        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
+        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
+    return state + 1, target_lib.logits(params, x).argmax(-1)
 
 
 def jit_step(fn, num_args, **static):

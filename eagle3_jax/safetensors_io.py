@@ -8,8 +8,8 @@ file and each tensor goes to the device as soon as it is read.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 from safetensors import SafetensorError, safe_open

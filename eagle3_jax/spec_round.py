@@ -83,7 +83,7 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec
     cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
     hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels)
     rows = jnp.arange(B)
-    first = jnp.argmax(target_lib.logits(tparams, hidden[rows, prompt_lengths - 1], spec.kernels), axis=-1).astype(jnp.int32)
+    first = jnp.argmax(target_lib.logits(tparams, hidden[rows, prompt_lengths - 1]), axis=-1).astype(jnp.int32)
     draft_cache = draft_hidden = None
     if spec.drafter is not None:
         # Pairs (g_t, x_{t+1}) for t < prompt length: the prompt shifted left, then the first token.
@@ -91,7 +91,7 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec
         nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
         draft_cache = drafter_lib.new_cache(spec.drafter, B, spec.max_len, dtype)
         embed = dparams.get("embed", tparams["embed"])
-        h = drafter_lib.project_features(dparams, spec.drafter, features, spec.kernels)
+        h = drafter_lib.project_features(dparams, spec.drafter, features)
         out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels)
         draft_hidden = out[rows, prompt_lengths - 1]
         draft_cache = draft_cache.with_lengths(prompt_lengths)
@@ -138,7 +138,7 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         hidden, tcache, features = target_lib.forward(
             tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.kernels
         )
-        choices = jnp.argmax(target_lib.logits(tparams, hidden, spec.kernels), axis=-1).astype(jnp.int32)  # [B, G + 1]
+        choices = jnp.argmax(target_lib.logits(tparams, hidden), axis=-1).astype(jnp.int32)  # [B, G + 1]
     # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
     accepted = _accept(drafts, choices, spec.max_len - n - 2)
     live = ~state.done
@@ -156,7 +156,7 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         with jax.named_scope("rebuild"):
             # The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted
             # are the newly committed pairs; the drafter's own speculative entries are overwritten.
-            h = drafter_lib.project_features(dparams, spec.drafter, features, spec.kernels)
+            h = drafter_lib.project_features(dparams, spec.drafter, features)
             out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, choices, draft_cache, spec.kernels)
         new_state = dataclasses.replace(
             new_state,

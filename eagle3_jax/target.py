@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import kv_cache
-from eagle3_jax.attention import attend
+from eagle3_jax.attention import attend, rotate_and_cache
 from eagle3_jax.config import Qwen3Config
-from eagle3_jax.layers import apply_rope, gated_mlp, linear, normed_linear, rms_norm, rope_tables
+from eagle3_jax.layers import add_rms_norm, gated_mlp, linear, rope_tables
 
 Params = dict
 
@@ -52,18 +52,15 @@ def new_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.KV
     return kv_cache.KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def _attention_block(layer, cfg: Qwen3Config, x, cos, sin, k_buf, v_buf, start, positions, kernels):
-    B, T, _ = x.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = normed_linear(x, layer["attn_norm"], cfg.rms_norm_eps, layer["wqkv"], kernels)
-    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
-    # Qwen3 normalises q and k per head before RoPE.
-    q = apply_rope(rms_norm(q.reshape(B, T, N, H), layer["q_norm"], cfg.rms_norm_eps), cos, sin)
-    k = apply_rope(rms_norm(k.reshape(B, T, K, H), layer["k_norm"], cfg.rms_norm_eps), cos, sin)
-    k_buf = kv_cache.write(k_buf, k, positions)
-    v_buf = kv_cache.write(v_buf, v.reshape(B, T, K, H), positions)
+def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, kernels):
+    """Self-attention of the normed residual stream; returns its output projection and the caches."""
+    B, T, _ = normed.shape
+    q, k_buf, v_buf = rotate_and_cache(
+        linear(normed, layer["wqkv"], kernels), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
+        q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=cfg.rms_norm_eps, kernels=kernels,
+    )
     out = attend(q, k_buf, v_buf, start, kernels)
-    return linear(out.reshape(B, T, N * H), layer["wo"], kernels), k_buf, v_buf
+    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels), k_buf, v_buf
 
 
 def forward(
@@ -84,24 +81,26 @@ def forward(
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params["embed"][tokens]
     cos, sin = rope_tables(positions, cfg.rope, x.dtype)
+    eps = cfg.rms_norm_eps
     captured, new_k, new_v = {}, [], []
+    delta = None  # what the previous block adds to the residual stream x
     for i, layer in enumerate(params["layers"]):
-        if i in capture_layers:
-            captured[i] = x
         with jax.named_scope(f"layer_{i}"):
-            attn, k_buf, v_buf = _attention_block(
-                layer, cfg, x, cos, sin, cache.k[i], cache.v[i], cache.lengths, positions, kernels
-            )
-            x = x + attn
-            x = x + gated_mlp(x, layer["mlp_norm"], cfg.rms_norm_eps, layer["w_gate_up"], layer["w_down"], kernels)
+            # Each residual add is fused with the norm that reads its result.
+            x, normed = add_rms_norm(x, delta, layer["attn_norm"], eps, kernels)
+            if i in capture_layers:
+                captured[i] = x
+            attn, k_buf, v_buf = _attention(layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels)
+            x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
+            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
         new_k.append(k_buf)
         new_v.append(v_buf)
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
     features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
     return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features
 
 
-def logits(params: Params, hidden: jax.Array, kernels: str = "xla") -> jax.Array:
+def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V] (the lm_head, or the embedding when tied)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"]
-    return linear(hidden, w, kernels, out_dtype=jnp.float32)
+    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)

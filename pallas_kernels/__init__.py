@@ -1,9 +1,15 @@
-"""Pallas GPU attention kernels for EAGLE-3 decode, verify and prefill.
+"""Pallas GPU kernels for EAGLE-3 decode, verify and prefill: attention, and two fusions of the
+small ops around it (each module's docstring says why it exists and what it measured).
 
   attention_reference(q, k_cache, v_cache, start, *, scale)     plain jnp
   decode_attention(..., *, scale, interpret=False, **DecodeConfig fields)
   prefill_attention(..., *, scale, interpret=False, **PrefillConfig fields)
+  add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm
+  rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
+                   interpret=False)                             q/k norm + RoPE + KV-cache write
+  matvec(x, w, *, gated_input=False, interpret=False)          one row times a weight, one kernel
 
+Attention:
 q [B, T, N, H]; caches [B, K, S, H] already holding the T new tokens at
 start .. start + T - 1; start [B] int32. Both kernels read only keys below
 start + T (masked loads), clamp rows with start + T > S, and run one
@@ -35,6 +41,7 @@ When Triton is removed from Pallas, the kernels' structure (rows = tokens x
 group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
 
+from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.attention import (
     DecodeConfig,
     PrefillConfig,
@@ -42,3 +49,6 @@ from pallas_kernels.attention import (
     decode_attention,
     prefill_attention,
 )
+from pallas_kernels.matvec import matvec
+from pallas_kernels.matvec import supports as matvec_supports
+from pallas_kernels.rope_cache_write import rope_cache_write

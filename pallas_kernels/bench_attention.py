@@ -269,6 +269,11 @@ def _prefill_ops(tunings):
     ops["cudnn"] = lambda q, k, v, s: jax.nn.dot_product_attention(
         q, k, v, scale=SCALE, is_causal=True, implementation="cudnn"
     )
+    if not DRY:  # JAX's own Mosaic GPU flash attention ([B, S, K, H] like cuDNN; float16 only): the other lowering
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+        ops["mosaic_jax"] = lambda q, k, v, s: attention_mgpu.attention(q, k, v, config=config)
     return ops
 
 
@@ -281,9 +286,12 @@ def prefill_row(T, overhead, matmul_tflops, tunings):
     flops = 4 * N * H * T * (T + 1) / 2  # causal: QK and PV over t + 1 keys
     row = {"kind": "prefill", "B": 1, "T": T, "tunings": tunings}
     for name, op in _prefill_ops(tunings).items():
-        kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if (name == "cudnn") else (k, v)
+        kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if name in ("cudnn", "mosaic_jax") else (k, v)
+        queries = qs
+        if name == "mosaic_jax":  # float16 has bfloat16's size and tensor-core rate
+            queries, kv = [q.astype(jnp.float16) for q in qs], tuple(a.astype(jnp.float16) for a in kv)
         try:
-            run, out = _batched(op, qs, [kv] * len(qs), start)
+            run, out = _batched(op, queries, [kv] * len(qs), start)
             row[f"{name}_TFLOPs"] = flops * len(qs) / median_wall(run, overhead) / 1e12
             row[f"{name}_of_matmul"] = row[f"{name}_TFLOPs"] / matmul_tflops
             row[f"{name}_err"] = _rel_err(out, ref)

@@ -1,0 +1,118 @@
+"""The fused Pallas kernels (interpret mode) against the plain-jnp ops they replace
+(eagle3_jax.layers / attention with kernels="xla"). Random inputs; interpret mode starts outputs as
+NaN, so a finite output was fully written; cache slots the kernel must not touch hold NaN or random
+data and must come back bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.attention import rotate_and_cache
+from eagle3_jax.layers import add_rms_norm, gated_mlp, linear
+from pallas_kernels import add_rms_norm as pallas_add_rms_norm
+from pallas_kernels import matvec, rope_cache_write
+
+TOLERANCE = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
+
+
+def _close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    assert np.isfinite(got).all(), "unwritten output"
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("D", [32, 48, 4096])  # 48: not a power of 2 (masked columns)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_rms_norm(D, dtype):
+    kx, kd, kw = jax.random.split(jax.random.key(D), 3)
+    x = jax.random.normal(kx, (2, 3, D), jnp.float32).astype(dtype)
+    delta = jax.random.normal(kd, (2, 3, D), jnp.float32).astype(dtype)
+    w = (1 + 0.1 * jax.random.normal(kw, (D,), jnp.float32)).astype(dtype)
+    for d in (delta, None):
+        got = pallas_add_rms_norm(x, d, w, eps=1e-6, interpret=True)
+        want = add_rms_norm(x, d, w, 1e-6, "xla")
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        _close(got[1], want[1], dtype)
+    with pytest.raises(ValueError, match="does not fit"):
+        pallas_add_rms_norm(x, delta[..., :16], w, eps=1e-6)
+
+
+def _qkv_inputs(dtype, B=2, T=3, N=6, K=2, H=16, S=8):
+    ks = jax.random.split(jax.random.key(T * 10 + N), 6)
+    qkv = jax.random.normal(ks[0], (B, T, (N + 2 * K) * H), jnp.float32).astype(dtype)
+    angles = jax.random.uniform(ks[1], (B, T, H // 2), maxval=6.0)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # as rope_tables builds them
+    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    k_cache = jax.random.normal(ks[2], (B, K, S, H), jnp.float32).astype(dtype)
+    v_cache = k_cache.at[:, :, -1].set(jnp.nan)  # a poisoned slot nothing writes in row 0
+    norms = [(1 + 0.1 * jax.random.normal(k, (H,), jnp.float32)).astype(dtype) for k in ks[4:]]
+    return qkv, cos, sin, k_cache, v_cache, norms
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_norms", [True, False])
+@pytest.mark.parametrize("N,K", [(6, 2), (4, 1), (8, 8)])  # 6: heads padded to 8
+def test_rope_cache_write(dtype, with_norms, N, K):
+    qkv, cos, sin, k_cache, v_cache, (q_norm, k_norm) = _qkv_inputs(dtype, N=N, K=K)
+    S = k_cache.shape[2]
+    start = jnp.array([2, S - 2], jnp.int32)  # row 1's third token falls past capacity: dropped
+    norms = dict(q_norm=q_norm, k_norm=k_norm) if with_norms else dict(q_norm=None, k_norm=None)
+    want = rotate_and_cache(qkv, cos, sin, k_cache, v_cache, start, num_heads=N, eps=1e-6, kernels="xla", **norms)
+    got = rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=N, eps=1e-6, interpret=True, **norms)
+    _close(got[0], want[0], dtype)
+    for g, w in zip(got[1:], want[1:]):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        written = np.zeros(w.shape, bool)
+        written[0, :, 2:5] = written[1, :, S - 2 :] = True
+        np.testing.assert_array_equal(g[~written], w[~written])  # untouched, NaN included
+        _close(g[written], w[written], dtype)
+
+
+def test_rope_cache_write_refuses_what_does_not_fit():
+    qkv, cos, sin, k_cache, v_cache, (q_norm, _) = _qkv_inputs(jnp.float32)
+    start = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=5)
+    with pytest.raises(ValueError, match="both"):
+        rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=6, q_norm=q_norm)
+    with pytest.raises(ValueError, match="cos"):
+        rope_cache_write(qkv, cos[:, :1], sin, k_cache, v_cache, start, num_heads=6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("N,D,tuning", [(96, 64, {}), (32, 48, dict(block_k=32)), (16, 4096, dict(block_n=8))])
+def test_matvec(dtype, N, D, tuning):
+    """One row: plain, and with silu(gate) * up formed from a gate/up projection (D = 48: blocks shrink to 16)."""
+    kx, kw, kg = jax.random.split(jax.random.key(N + D), 3)
+    x = jax.random.normal(kx, (1, 1, D), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (N, D), jnp.float32) * D**-0.5).astype(dtype)
+    _close(matvec(x, w, interpret=True, **tuning), linear(x, w), dtype)
+    w_gate_up = (jax.random.normal(kg, (2 * D, N), jnp.float32) * N**-0.5).astype(dtype)
+    h = jax.random.normal(kx, (1, 1, N), jnp.float32).astype(dtype)
+    gate_up = linear(h, w_gate_up)
+    want = gated_mlp(h, w_gate_up, w, "xla")
+    _close(matvec(gate_up, w, gated_input=True, interpret=True, **tuning), want, dtype)
+    with pytest.raises(ValueError, match="one row"):
+        matvec(jnp.ones((2, D), dtype), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        matvec(x, w, gated_input=True)
+
+
+def test_fused_kernels_lower_to_triton():
+    """The Triton lowering runs on a CPU too: catches ops the GPU backend lacks, at Qwen3-8B shapes
+    (and a hidden size that is not a power of 2)."""
+    bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    norm = jax.jit(lambda x, d, w: pallas_add_rms_norm(x, d, w, eps=1e-6))
+    assert "add_rms_norm" in norm.trace(bf16(1, 4, 5120), bf16(1, 4, 5120), bf16(5120)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    rope = jax.jit(lambda qkv, c, s, k, v, st, qn, kn: rope_cache_write(qkv, c, s, k, v, st, num_heads=32,
+                                                                        q_norm=qn, k_norm=kn))
+    args = (bf16(1, 4, 6144), bf16(1, 4, 128), bf16(1, 4, 128), bf16(1, 8, 1088, 128), bf16(1, 8, 1088, 128),
+            jax.ShapeDtypeStruct((1,), jnp.int32), bf16(128), bf16(128))
+    assert "rope_cache_write" in rope.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    down = jax.jit(lambda x, w: matvec(x, w, gated_input=True))
+    assert "matvec_silu" in down.trace(bf16(1, 1, 2 * 12288), bf16(4096, 12288)).lower(
+        lowering_platforms=("cuda",)).as_text()
