@@ -78,7 +78,7 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     unchanged: the caller commits).
     """
     B, T = tokens.shape
-    N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    N, H, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     normed_h = rms_norm(h, params["hidden_norm"], eps)
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
@@ -86,13 +86,14 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(positions, cfg.rope, h.dtype)
     q, k_buf, v_buf = rotate_and_cache(
-        linear(x, params["wqkv"], kernels), cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=N,
+        linear(x, params["wqkv"]), cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=N,
         q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
         eps=eps, kernels=kernels,
     )
     attn = attend(q, k_buf, v_buf, cache.lengths, kernels)
-    h, normed = add_rms_norm(residual, linear(attn.reshape(B, T, N * H), params["wo"], kernels), params["mlp_norm"], eps, kernels)
-    h = h + gated_mlp(normed, params["w_gate_up"], params["w_down"], kernels)
+    attn = linear(attn.reshape(B, T, N * H), params["wo"])
+    h, normed = add_rms_norm(residual, attn, params["mlp_norm"], eps, kernels)
+    h = h + gated_mlp(normed, params["w_gate_up"], params["w_down"])
     return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
 

@@ -3,7 +3,8 @@
   "xla"               plain jnp everywhere: the reference, and the CPU default
   "pallas"            the Pallas kernels of `pallas_kernels/`: attention, and the small ops between the
                       matmuls fused (residual add + RMSNorm; q/k norm + RoPE + KV-cache write);
-                      the GPU default. The matmuls stay XLA's, whose GEMMs measured faster.
+                      the GPU default. The matmuls stay XLA's: two Pallas matmuls measured no faster
+                      (BENCHMARKS.md).
   "pallas_attention"  Pallas attention only (to measure what the fused kernels bring)
 
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).

@@ -45,23 +45,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def linear(x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
-    """x [..., in] times a weight stored as transformers stores it, [out, in]. With the Pallas kernels
-    a single row goes through the one-kernel matvec (pallas_kernels/matvec.py)."""
-    if _single_row_matvec(x, w, kernels):
-        return pallas_kernels.matvec(x, w, interpret=kernels_lib.interpret())
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] times a weight stored as transformers stores it, [out, in]."""
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, kernels: str = "xla") -> jax.Array:
-    """SiLU-gated MLP with gate and up fused into one [2I, D] weight (one read of x, one matmul).
-    With the Pallas kernels a single row's silu(gate) * up is formed inside the down projection."""
-    gate_up = jnp.einsum("...i,oi->...o", x, w_gate_up)  # XLA's GEMM measured best for this one
-    if _single_row_matvec(gate_up[..., : w_down.shape[1]], w_down, kernels):
-        return pallas_kernels.matvec(gate_up, w_down, gated_input=True, interpret=kernels_lib.interpret())
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SiLU-gated MLP with gate and up fused into one [2I, D] weight (one read of x, one matmul)."""
+    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, w_down)
-
-
-def _single_row_matvec(x: jax.Array, w: jax.Array, kernels: str) -> bool:
-    return kernels_lib.fused_in_pallas(kernels) and x.size == x.shape[-1] and pallas_kernels.matvec_supports(*w.shape)

@@ -56,11 +56,11 @@ def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, k
     """Self-attention of the normed residual stream; returns its output projection and the caches."""
     B, T, _ = normed.shape
     q, k_buf, v_buf = rotate_and_cache(
-        linear(normed, layer["wqkv"], kernels), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
+        linear(normed, layer["wqkv"]), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
         q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=cfg.rms_norm_eps, kernels=kernels,
     )
     out = attend(q, k_buf, v_buf, start, kernels)
-    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels), k_buf, v_buf
+    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"]), k_buf, v_buf
 
 
 def forward(
@@ -92,7 +92,7 @@ def forward(
                 captured[i] = x
             attn, k_buf, v_buf = _attention(layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels)
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
-            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
+            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)

@@ -7,7 +7,6 @@ small ops around it (each module's docstring says why it exists and what it meas
   add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm
   rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
                    interpret=False)                             q/k norm + RoPE + KV-cache write
-  matvec(x, w, *, gated_input=False, interpret=False)          one row times a weight, one kernel
 
 Attention:
 q [B, T, N, H]; caches [B, K, S, H] already holding the T new tokens at
@@ -37,6 +36,17 @@ pltriton.CompilerParams), not Mosaic GPU. Why:
   kernel's 4.26) at B >= 8 and 16k+ keys and 3.3-3.6 TB/s at B = 1, 32k;
   faster than plain XLA at all 36 decode/verify shapes; prefill 214 / 363
   TFLOP/s at 2k / 8k (cuDNN 271 / 509).
+What the second session measured against this choice (BENCHMARKS.md):
+- Prefill: JAX's own Mosaic GPU flash attention (attention_mgpu, float16)
+  reaches 239 / 529 TFLOP/s at 2k / 8k against our Triton kernel's 200 / 369.
+  For prefill the Mosaic GPU lowering is the better one; ours is not written
+  yet (JAX's kernel takes float16 only, keys as [B, S, K, H] and no start > 0).
+- Decode: bandwidth-bound; our Triton kernel reads at or above the copy rate
+  from batch 8 and 16k keys, so a rewrite would not pay there.
+- Our Triton-lowered calls are XLA custom calls (__gpu$xla.gpu.triton) that
+  the command-buffer (CUDA graph) pass of jax 0.11.2's XLA does not capture:
+  each call splits the graph. That, not kernel time, limits the fused kernels
+  at batch 1. Whether Mosaic GPU's calls are captured was not measured.
 When Triton is removed from Pallas, the kernels' structure (rows = tokens x
 group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
@@ -49,6 +59,4 @@ from pallas_kernels.attention import (
     decode_attention,
     prefill_attention,
 )
-from pallas_kernels.matvec import matvec
-from pallas_kernels.matvec import supports as matvec_supports
 from pallas_kernels.rope_cache_write import rope_cache_write

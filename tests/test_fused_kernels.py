@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from eagle3_jax.attention import rotate_and_cache
-from eagle3_jax.layers import add_rms_norm, gated_mlp, linear
+from eagle3_jax.layers import add_rms_norm
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
-from pallas_kernels import matvec, rope_cache_write
+from pallas_kernels import rope_cache_write
 
 TOLERANCE = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 
@@ -82,25 +82,6 @@ def test_rope_cache_write_refuses_what_does_not_fit():
         rope_cache_write(qkv, cos[:, :1], sin, k_cache, v_cache, start, num_heads=6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("N,D,tuning", [(96, 64, {}), (32, 48, dict(block_k=32)), (16, 4096, dict(block_n=8))])
-def test_matvec(dtype, N, D, tuning):
-    """One row: plain, and with silu(gate) * up formed from a gate/up projection (D = 48: blocks shrink to 16)."""
-    kx, kw, kg = jax.random.split(jax.random.key(N + D), 3)
-    x = jax.random.normal(kx, (1, 1, D), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (N, D), jnp.float32) * D**-0.5).astype(dtype)
-    _close(matvec(x, w, interpret=True, **tuning), linear(x, w), dtype)
-    w_gate_up = (jax.random.normal(kg, (2 * D, N), jnp.float32) * N**-0.5).astype(dtype)
-    h = jax.random.normal(kx, (1, 1, N), jnp.float32).astype(dtype)
-    gate_up = linear(h, w_gate_up)
-    want = gated_mlp(h, w_gate_up, w, "xla")
-    _close(matvec(gate_up, w, gated_input=True, interpret=True, **tuning), want, dtype)
-    with pytest.raises(ValueError, match="one row"):
-        matvec(jnp.ones((2, D), dtype), w)
-    with pytest.raises(ValueError, match="does not fit"):
-        matvec(x, w, gated_input=True)
-
-
 def test_fused_kernels_lower_to_triton():
     """The Triton lowering runs on a CPU too: catches ops the GPU backend lacks, at Qwen3-8B shapes
     (and a hidden size that is not a power of 2)."""
@@ -113,6 +94,3 @@ def test_fused_kernels_lower_to_triton():
     args = (bf16(1, 4, 6144), bf16(1, 4, 128), bf16(1, 4, 128), bf16(1, 8, 1088, 128), bf16(1, 8, 1088, 128),
             jax.ShapeDtypeStruct((1,), jnp.int32), bf16(128), bf16(128))
     assert "rope_cache_write" in rope.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    down = jax.jit(lambda x, w: matvec(x, w, gated_input=True))
-    assert "matvec_silu" in down.trace(bf16(1, 1, 2 * 12288), bf16(4096, 12288)).lower(
-        lowering_platforms=("cuda",)).as_text()
