@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_jax.kernels import CHOICES as KERNEL_CHOICES
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -37,7 +39,8 @@ def _generate(args) -> int:
     else:
         prompt = args.prompt_ids
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
+                               kernels=args.kernels)
     stops = args.stop_ids or ([tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
     engine.generate([prompt], max_new_tokens=2)  # compile prefill and the round outside the timing
     start = time.perf_counter()
@@ -82,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    gen.add_argument("--kernels", choices=KERNEL_CHOICES,
+                     help="hot-op implementation (eagle3_jax/kernels.py; default: pallas on a GPU, xla elsewhere)")
     gen.set_defaults(func=_generate)
     conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")
     conv.add_argument("src")

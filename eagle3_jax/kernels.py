@@ -38,11 +38,11 @@ def pallas_attention_supports(head_dim: int) -> bool:
 
 
 def attention_in_pallas(kernels: str) -> bool:
-    return kernels in ("pallas", "pallas_attention")
+    return check(kernels) in ("pallas", "pallas_attention")
 
 
 def fused_in_pallas(kernels: str) -> bool:
-    return kernels == "pallas"
+    return check(kernels) == "pallas"
 
 
 def interpret() -> bool:

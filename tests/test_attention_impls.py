@@ -41,6 +41,8 @@ def test_forward_logits_agree(models):
         out[impl] = np.concatenate([hidden, step], axis=1)
     for impl in CHOICES:
         np.testing.assert_allclose(out[impl], out["xla"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kernels must be one of"):  # a typo is not silently XLA
+        target_lib.forward(target.params, cfg, tokens, target_lib.new_cache(cfg, 2, 40, jnp.float32), (), "palas")
 
 
 def test_engine_output_agrees(models):

@@ -52,6 +52,10 @@ def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert "config.json: file not found" in capsys.readouterr().err
     assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1,999", "--dtype", "float32"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+    # head_dim 24: the Pallas kernels cannot take it, and --kernels pallas says so.
+    assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1", "--dtype", "float32",
+                 "--kernels", "pallas"]) == 2
+    assert "power-of-two head_dims" in capsys.readouterr().err
 
 
 def test_convert_script_and_command(folders, tmp_path):
