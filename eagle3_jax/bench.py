@@ -288,7 +288,9 @@ class Bench:
         out["step"] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled)}
         if kernel_times:  # GPU busy time against the step's wall time: the rest is idle between kernels
             busy_us = sum(us for _, us in kernel_times.values())
-            out["step"].update(kernel_busy_ms=busy_us / 1e3, launches=sum(n for n, _ in kernel_times.values()),
+            out["step"].update(kernel_busy_ms=busy_us / 1e3, idle_ms=seconds * 1e3 - busy_us / 1e3,
+                               launches=sum(n for n, _ in kernel_times.values()),
+                               groups_us=measure.kernel_groups(kernel_times),
                                kernels=dict(sorted(kernel_times.items(), key=lambda kv: -kv[1][1])))
         entry = {"batch": batch, "kv_len": length, "kernels": kernels, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                  "floor_ms": self.floor_s(read) * 1e3, **out}
@@ -567,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: floor {v['floor_ms']:.3f} ms; {parts}")
         step = v["step"]
         if "kernel_busy_ms" in step:
-            print(f"  GPU busy {step['kernel_busy_ms']:.3f} ms in {step['launches']:.0f} launches; top kernels (launches, us per step):")
+            groups = ", ".join(f"{g} {us / 1e3:.3f}" for g, us in step["groups_us"].items())
+            print(f"  GPU busy {step['kernel_busy_ms']:.3f} ms in {step['launches']:.0f} launches ({groups} ms), "
+                  f"idle {step['idle_ms']:.3f} ms; top kernels (launches, us per step):")
             for name, (count, us) in list(step["kernels"].items())[:12]:
                 print(f"    {us:8.1f} us {count:5.0f}x  {name[:90]}")
     return 0

@@ -88,6 +88,22 @@ def gpu_kernel_times(run, reps: int = 2) -> dict[str, list]:
     return found
 
 
+KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
+    ("matmuls", ("gemm", "cublas", "dot")),
+    ("attention", ("attention",)),
+    ("fused norm / rope / cache write", ("add_rms_norm", "rope_cache_write")),
+)
+
+
+def kernel_groups(kernel_times: dict[str, list]) -> dict[str, float]:
+    """GPU microseconds per step by kind of kernel; what matches no group is "other (small XLA fusions)"."""
+    out: dict[str, float] = {}
+    for name, (_, us) in kernel_times.items():
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other (small XLA fusions)")
+        out[group] = out.get(group, 0.0) + us
+    return out
+
+
 def compile_timed(jitted, *args):
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile()

@@ -3,7 +3,7 @@ not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
 
 import json
 
-from eagle3_jax import bench
+from eagle3_jax import bench, measure
 
 
 def test_bench_smoke(tmp_path):
@@ -56,3 +56,13 @@ def test_agreement_and_margin(tmp_path):
     hidden, _, _ = target_lib.forward(b.tparams, b.plan.target, jnp.asarray([tokens]), cache)
     logits = np.sort(np.asarray(target_lib.logits(b.tparams, hidden[0, -1])))
     assert abs(b._margin(tokens) - (logits[-1] - logits[-2])) < 1e-6
+
+
+def test_kernel_groups_sort_a_profile_by_kind():
+    """The step profile's summary: kernel names as XLA and our Pallas calls name them."""
+    times = {"gemm_fusion_dot_147": [36, 1700.0], "decode_attention": [36, 160.0], "decode_attention_merge": [36, 60.0],
+             "add_rms_norm__1": [72, 160.0], "rope_cache_write": [36, 90.0], "loop_reduce_fusion_106": [72, 80.0]}
+    assert measure.kernel_groups(times) == {"matmuls": 1700.0, "attention": 220.0,
+                                            "fused norm / rope / cache write": 250.0,
+                                            "other (small XLA fusions)": 80.0}
+    assert measure.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
