@@ -90,7 +90,9 @@ def forward(
             x, normed = add_rms_norm(x, delta, layer["attn_norm"], eps, kernels)
             if i in capture_layers:
                 captured[i] = x
-            attn, k_buf, v_buf = _attention(layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels)
+            attn, k_buf, v_buf = _attention(
+                layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels
+            )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
             delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
         new_k.append(k_buf)

@@ -60,3 +60,13 @@ from pallas_kernels.attention import (
     prefill_attention,
 )
 from pallas_kernels.rope_cache_write import rope_cache_write
+
+__all__ = [
+    "DecodeConfig",
+    "PrefillConfig",
+    "add_rms_norm",
+    "attention_reference",
+    "decode_attention",
+    "prefill_attention",
+    "rope_cache_write",
+]

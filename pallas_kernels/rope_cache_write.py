@@ -147,7 +147,9 @@ def rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads: int, 
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give both q_norm and k_norm, or neither")
     if F != (num_heads + 2 * K) * H or k_cache.shape[0] != B or v_cache.shape != k_cache.shape:
-        raise ValueError(f"qkv {qkv.shape} does not fit caches {k_cache.shape}, {v_cache.shape} with {num_heads} q heads")
+        raise ValueError(
+            f"qkv {qkv.shape} does not fit caches {k_cache.shape}, {v_cache.shape} with {num_heads} q heads"
+        )
     if cos.shape != (B, T, H) or sin.shape != cos.shape or start.shape != (B,):
         raise ValueError(f"cos {cos.shape}, sin {sin.shape}, start {start.shape} do not fit qkv {qkv.shape}")
     if not _common.is_power_of_2(H) or H < 4:
