@@ -186,11 +186,13 @@ class Bench:
         t, L = self.plan.target, self.plan.spec_kv_length
         cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, L + 64, t.head_dim, L, self.dtype, 5)
         toks = jax.random.randint(jax.random.key(3), (batch, tokens), 0, t.vocab_size, jnp.int32)
-        step = measure.jit_step(measure.target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers, kernels=kernels)
+        step = measure.jit_step(measure.target_step, 3, cfg=t, capture=self.plan.drafter.capture_layers,
+                                kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.tparams, toks, cache)
         seconds, _ = self.time(compiled, cache, (self.tparams, toks))
         read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
-        self.row("verify", {"batch": batch, "kv_len": L, "tokens": tokens, "kernels": kernels}, seconds, read, compile_s)
+        entry = {"batch": batch, "kv_len": L, "tokens": tokens, "kernels": kernels}
+        self.row("verify", entry, seconds, read, compile_s)
 
     def _drafter_inputs(self, batch):
         d, L = self.plan.drafter, self.plan.spec_kv_length
@@ -211,7 +213,8 @@ class Bench:
         step = measure.jit_step(measure.draft_step, 5, cfg=d, kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.dparams, embed, h, token, cache)
         seconds, _ = self.time(compiled, cache, (self.dparams, embed, h, token))
-        self.row("draft_step", {"batch": batch, "kernels": kernels}, seconds, self._drafter_read(batch, 1, False, True), compile_s)
+        self.row("draft_step", {"batch": batch, "kernels": kernels}, seconds, self._drafter_read(batch, 1, False, True),
+                 compile_s)
 
     def rebuild(self, batch: int, tokens: int, kernels: str) -> None:
         d = self.plan.drafter
@@ -252,7 +255,8 @@ class Bench:
         self.row("round", entry, seconds, read, compile_s)
         if len(parts) == 3:
             entry["overhead"] = seconds * 1e3 / sum(parts.values()) - 1
-        spec_off = [r for r in self.results.get("decode", []) if r["batch"] == batch and r["kv_len"] == L and r["kernels"] == kernels]
+        spec_off = [r for r in self.results.get("decode", [])
+                    if r["batch"] == batch and r["kv_len"] == L and r["kernels"] == kernels]
         entry["projected_tokens_per_s"] = {tau: batch * tau / seconds for tau in range(1, gamma + 2)}
         if spec_off:
             entry["spec_off_tokens_per_s"] = spec_off[0]["tokens_per_s"]
@@ -274,7 +278,8 @@ class Bench:
         cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
         tokens = jnp.zeros((batch, 1), jnp.int32) + 3
         for name, step, args in (
-            ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, kernels=kernels), (self.tparams, tokens)),
+            ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, kernels=kernels),
+             (self.tparams, tokens)),
             ("matmuls_only", measure.jit_step(measure.matmuls_only, 3, cfg=t),
              (self.tparams, measure.normal(jax.random.key(8), (batch, t.hidden_size), self.dtype))),
         ):
@@ -421,7 +426,8 @@ class Bench:
         for batch in plan.batches:  # the spec-off step is the baseline: every kernel choice, every shape
             for length in plan.kv_lengths:
                 for kernels in self.kernels:
-                    if (batch, length) != (first_batch, first_len) and self.time_left(f"decode b{batch} l{length} {kernels}"):
+                    first = (batch, length) == (first_batch, first_len)
+                    if not first and self.time_left(f"decode b{batch} l{length} {kernels}"):
                         self.decode(batch, length, kernels)
         for batch in plan.spec_batches:
             for gamma in plan.gammas:
@@ -450,7 +456,8 @@ def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 25
                                kv_lengths=(kv_length,), spec_batches=(batch,), spec_kv_length=kv_length,
                                gammas=(gamma,), reps=reps, inner=inner, copy_bytes=256 << 20)
     dtype = target.params["embed"].dtype
-    bench = Bench(plan, (kernels or kernels_lib.default(target.config.head_dim, drafter.config.head_dim),), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
+    kernels = kernels or kernels_lib.default(target.config.head_dim, drafter.config.head_dim)
+    bench = Bench(plan, (kernels,), budget_s=1e9, dtype=dtype, out=None, target=target, drafter=drafter)
     if with_floor:
         bench.ceilings()
     impl = bench.kernels[0]
@@ -540,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tiny = args.tiny or jax.default_backend() == "cpu"
     plan = tiny_plan() if tiny else qwen3_8b_plan()
-    kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if jax.default_backend() == "gpu" else ["xla"]))
+    on_gpu = jax.default_backend() == "gpu"
+    kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if on_gpu else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
@@ -565,8 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib not installed: no plot")
     print(summary(results))
     for v in results.get("variants", []):
-        parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernel_count']} kernels)" for k in ("step", "forward_no_head", "matmuls_only"))
-        print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: floor {v['floor_ms']:.3f} ms; {parts}")
+        parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernel_count']} kernels)"
+                          for k in ("step", "forward_no_head", "matmuls_only"))
+        print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: "
+              f"floor {v['floor_ms']:.3f} ms; {parts}")
         step = v["step"]
         if "kernel_busy_ms" in step:
             groups = ", ".join(f"{g} {us / 1e3:.3f}" for g, us in step["groups_us"].items())
