@@ -18,7 +18,7 @@ Two times per op:
 Bandwidth counts the K/V bytes a call must read: 2 * B * K * L * H * 2;
 "of copy" divides wall bandwidth by the wall copy rate and kernel bandwidth
 by the copy kernel's rate (a jnp.copy of 4 GiB, bytes read + written).
-DECODE_TUNING / PREFILL_TUNINGS (JSON) override the tunings.
+DECODE_TUNING / PREFILL_TUNINGS (JSON) override the tunings; SWEEP_SHAPES / SWEEP_TUNINGS the sweep.
 """
 
 import json
@@ -223,6 +223,9 @@ SWEEP_TUNINGS = [
     dict(block_k=128, num_warps=4, num_stages=3, wave_slots=264),
     dict(block_k=128, num_warps=4, num_stages=3, wave_slots=132),  # noise
 ]
+# SWEEP_SHAPES / SWEEP_TUNINGS (JSON: [[B, L, T], ...] / [{...}, ...]) override the lists above.
+SWEEP_SHAPES = [tuple(s) for s in json.loads(os.environ.get("SWEEP_SHAPES", "null")) or SWEEP_SHAPES]
+SWEEP_TUNINGS = json.loads(os.environ.get("SWEEP_TUNINGS", "null")) or SWEEP_TUNINGS
 
 
 def sweep(overhead, copy_bw):
