@@ -43,10 +43,17 @@ What the second session measured against this choice (BENCHMARKS.md):
   yet (JAX's kernel takes float16 only, keys as [B, S, K, H] and no start > 0).
 - Decode: bandwidth-bound; our Triton kernel reads at or above the copy rate
   from batch 8 and 16k keys, so a rewrite would not pay there.
-- Our Triton-lowered calls are XLA custom calls (__gpu$xla.gpu.triton) that
-  the command-buffer (CUDA graph) pass of jax 0.11.2's XLA does not capture:
-  each call splits the graph. That, not kernel time, limits the fused kernels
-  at batch 1. Whether Mosaic GPU's calls are captured was not measured.
+What the third session measured (BENCHMARKS.md):
+- Our Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in
+  jax 0.11.2 XLA builds them from the thunk sequence, where each call is a
+  plain kernel thunk. (The second session believed the opposite; withdrawn.)
+- add_rms_norm written for Mosaic GPU was slower: 1.90 against 1.67 us of
+  kernel time, and 0.655 against 0.502 ms for a jit of 72 calls; a Mosaic GPU
+  call is an FFI custom call in XLA, not a plain kernel. So the small fused
+  kernels stay on Triton.
+- Mosaic GPU kernels can be checked on the CPU with jax 0.10.2's Mosaic GPU
+  interpreter only through plgpu.kernel's named grid axes (program_id is
+  always 0 in an interpreted pallas_call grid) and whole-array BlockSpecs.
 When Triton is removed from Pallas, the kernels' structure (rows = tokens x
 group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
