@@ -5,6 +5,8 @@ squares and the scaling as three kernels, twice per layer. At batch 1 each is
 a few kilobytes of work and costs about 1.4 us of GPU time, mostly its own
 start-up: 3 x 2 x 36 of them are 0.3 ms of a Qwen3-8B decode step. This kernel
 does the three in one pass: one program per row, the whole row in registers.
+16 warps per program: at hidden 4096 on the H200 a call took 1.52 us against
+1.67 us with 4 warps (batch 1; 1.62 against 1.70 at batch 32; BENCHMARKS.md).
 
 Rounding follows transformers (and eagle3_jax.layers.rms_norm): the sum is
 rounded to x's dtype; the norm is taken in float32, cast back, then scaled.
@@ -58,7 +60,7 @@ def _add_rms_norm(x, delta, weight, *, eps, interpret):
         in_specs=[row] * (len(operands) - 1) + [pl.BlockSpec((D,), lambda m: (0,))],
         out_specs=[row, row] if with_delta else [row],
         out_shape=[out, out] if with_delta else [out],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=16, num_stages=1),
         interpret=interpret,
         name="add_rms_norm",
     )(*operands)

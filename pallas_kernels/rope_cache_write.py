@@ -5,16 +5,18 @@ them (RoPE), and writes the new k and v into the KV cache. XLA runs that as
 about eight small kernels per layer (two reductions, the scaling, two
 concatenations for rotate_half, a select, two cache updates); at batch 1 each
 costs about 1.4 us of GPU time, mostly start-up. This kernel does all of it:
-one program per new token reads its q/k/v row once, writes the rotated q,
-and writes k and v into the cache in place (the caches are aliased to the
-outputs, so nothing else of them is read or copied).
+for each new token, programs of 8 heads each (Qwen3-8B's 32 q + 8 k + 8 v heads
+are 6 programs) read their heads of the q/k/v row once, write the rotated q,
+and write k and v into the cache in place (the caches are aliased to the
+outputs, so nothing else of them is read or copied). One program per token
+doing all 48 heads took 2.6 us at batch 1 on the H200 (BENCHMARKS.md).
 
 rotate_half never slices a register tile: each head is loaded as its two
 halves, x1 = x[:H/2] and x2 = x[H/2:], and RoPE is out1 = x1 cos - x2 sin,
 out2 = x2 cos + x1 sin (cos and sin repeat over the two halves, as
-eagle3_jax.layers.rope_tables builds them). Heads are padded to a power of 2
-for Triton; the padding repeats the last head and is never stored. A token at
-a position past the cache's capacity writes nothing (like kv_cache.write).
+eagle3_jax.layers.rope_tables builds them). The last program's rows past the
+last head repeat it and are never stored. A token at a position past the
+cache's capacity writes nothing (like kv_cache.write).
 
 Rounding follows eagle3_jax.layers: norm in float32, cast, scale; each RoPE
 product and sum in the inputs' dtype.
@@ -34,27 +36,15 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _common
 
 
-def _halves(qkv_ref, first_head, num_heads, head_dim):
-    """Heads first_head .. first_head + num_heads - 1 of one token's q/k/v row: (x1, x2) [P, H/2], and
-    the head index of each of the P (a power of 2) rows; padding rows repeat the last head."""
-    half = head_dim // 2
-    heads = jnp.arange(_common.next_power_of_2(num_heads))
-    loaded = first_head + jnp.minimum(heads, num_heads - 1)
-    cols = jnp.arange(half)
-    start = loaded[:, None] * head_dim + cols[None, :]
-    return qkv_ref[start], qkv_ref[start + half], heads
+HEADS_PER_PROGRAM = 8  # q, k and v heads alike: Qwen3-8B's 32 + 8 + 8 heads are 6 programs per token
 
 
-def _norm(x1, x2, norm_ref, eps):
+def _norm(x1, x2, w1, w2, eps):
+    """Per-row RMSNorm of heads given as halves x1, x2 [P, H/2], with per-row weights w1, w2 [P, H/2]."""
     half = x1.shape[1]
     a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
     inv_rms = lax.rsqrt(((a * a).sum(axis=1) + (b * b).sum(axis=1)) / (2 * half) + eps)[:, None]
-    w1, w2 = norm_ref[pl.ds(0, half)], norm_ref[pl.ds(half, half)]
-    return w1[None, :] * (a * inv_rms).astype(x1.dtype), w2[None, :] * (b * inv_rms).astype(x2.dtype)
-
-
-def _rotate(x1, x2, cos, sin):
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return w1 * (a * inv_rms).astype(x1.dtype), w2 * (b * inv_rms).astype(x2.dtype)
 
 
 def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads, eps, normed):
@@ -63,37 +53,49 @@ def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads
     # q_norm_ref, k_norm_ref (normed): [H]
     # k_in, v_in: the caches, aliased to k_out, v_out: [K, S, H] row b's caches
     # q_out: [N, H] the token's rotated queries
+    # This program owns heads g * P .. g * P + P - 1 of the token's q, k, v heads (in that order).
     if normed:
         q_norm_ref, k_norm_ref, _, _, q_out, k_out, v_out = refs
     else:
-        q_norm_ref = k_norm_ref = None
         _, _, q_out, k_out, v_out = refs
     N, K = num_heads, num_kv_heads
     H = q_out.shape[1]
     half = H // 2
-    cols = jnp.arange(half)
+    cols = jnp.arange(half)[None, :]
+    head = pl.program_id(2) * HEADS_PER_PROGRAM + jnp.arange(HEADS_PER_PROGRAM)
+    is_q, is_v = head < N, head >= N + K
+    is_k = ~is_q & ~is_v
+    real = head < N + 2 * K
+    loaded = jnp.minimum(head, N + 2 * K - 1)[:, None] * H + cols  # padding rows repeat the last head
+    x1, x2 = qkv_ref[loaded], qkv_ref[loaded + half]
+
+    rope1, rope2 = x1, x2  # rotate_half is done on the halves: never a slice of a register tile
+    if normed:
+        w1 = jnp.where(is_q[:, None], q_norm_ref[pl.ds(0, half)][None, :], k_norm_ref[pl.ds(0, half)][None, :])
+        w2 = jnp.where(is_q[:, None], q_norm_ref[pl.ds(half, half)][None, :], k_norm_ref[pl.ds(half, half)][None, :])
+        rope1, rope2 = _norm(x1, x2, w1, w2, eps)
     cos, sin = cos_ref[pl.ds(0, half)][None, :], sin_ref[pl.ds(0, half)][None, :]
-
-    def rotated(first_head, num, norm_ref):
-        x1, x2, heads = _halves(qkv_ref, first_head, num, H)
-        if norm_ref is not None:
-            x1, x2 = _norm(x1, x2, norm_ref, eps)
-        return (*_rotate(x1, x2, cos, sin), heads)
-
-    q1, q2, heads = rotated(0, N, q_norm_ref)
-    real = (heads < N)[:, None]
-    pltriton.store(q_out.at[heads[:, None], cols[None, :]], q1.astype(q_out.dtype), mask=real)
-    pltriton.store(q_out.at[heads[:, None], cols[None, :] + half], q2.astype(q_out.dtype), mask=real)
+    rope1, rope2 = rope1 * cos - rope2 * sin, rope2 * cos + rope1 * sin
+    out1 = jnp.where(is_v[:, None], x1, rope1)  # v heads: neither normed nor rotated
+    out2 = jnp.where(is_v[:, None], x2, rope2)
 
     position = start_ref[pl.program_id(0)] + pl.program_id(1)
-    k1, k2, heads = rotated(N, K, k_norm_ref)
-    v1, v2, _ = _halves(qkv_ref, N + K, K, H)
-    # Padding heads, and every head of a token past capacity, store nothing.
-    keep = ((heads < K) & (position < k_out.shape[1]))[:, None]
+    in_cache = position < k_out.shape[1]  # a token past capacity writes nothing (like kv_cache.write)
     slot = jnp.minimum(position, k_out.shape[1] - 1)
-    for ref, lo, hi in ((k_out, k1, k2), (v_out, v1, v2)):
-        pltriton.store(ref.at[heads[:, None], slot, cols[None, :]], lo.astype(ref.dtype), mask=keep)
-        pltriton.store(ref.at[heads[:, None], slot, cols[None, :] + half], hi.astype(ref.dtype), mask=keep)
+    # Each row stores into one of q_out, k_out, v_out; in the other two its index is past the end
+    # (distinct and masked off), never a real row that a masked-off store could race.
+    for ref, mine, index, keep in (
+        (q_out, is_q, head, real),
+        (k_out, is_k, head - N, real & in_cache),
+        (v_out, is_v, head - N - K, real & in_cache),
+    ):
+        rows = ref.shape[0]
+        index = jnp.where(mine, index, rows + head)[:, None]
+        mask = (mine & keep)[:, None]
+        at = (index, cols) if ref is q_out else (index, slot, cols)
+        at_hi = (index, cols + half) if ref is q_out else (index, slot, cols + half)
+        pltriton.store(ref.at[at], out1.astype(ref.dtype), mask=mask)
+        pltriton.store(ref.at[at_hi], out2.astype(ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret"))
@@ -102,25 +104,25 @@ def _rope_cache_write(qkv, cos, sin, start, k_cache, v_cache, q_norm, k_norm, *,
     B, T, F = qkv.shape
     _, K, S, H = k_cache.shape
     normed = q_norm is not None
-    token = lambda b, t: (b, t, 0)  # noqa: E731
+    token = lambda b, t, g: (b, t, 0)  # noqa: E731
     in_specs = [
-        pl.BlockSpec((B,), lambda b, t: (0,)),
+        pl.BlockSpec((B,), lambda b, t, g: (0,)),
         pl.BlockSpec((None, None, F), token),
         pl.BlockSpec((None, None, H), token),
         pl.BlockSpec((None, None, H), token),
     ]
     operands = [start, qkv, cos, sin]
     if normed:
-        in_specs += [pl.BlockSpec((H,), lambda b, t: (0,))] * 2
+        in_specs += [pl.BlockSpec((H,), lambda b, t, g: (0,))] * 2
         operands += [q_norm, k_norm]
-    cache_spec = pl.BlockSpec((None, K, S, H), lambda b, t: (b, 0, 0, 0))
+    cache_spec = pl.BlockSpec((None, K, S, H), lambda b, t, g: (b, 0, 0, 0))
     in_specs += [cache_spec, cache_spec]
     operands += [k_cache, v_cache]
     return pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, normed=normed),
-        grid=(B, T),
+        grid=(B, T, pl.cdiv(num_heads + 2 * K, HEADS_PER_PROGRAM)),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, num_heads, H), lambda b, t: (b, t, 0, 0)), cache_spec, cache_spec],
+        out_specs=[pl.BlockSpec((None, None, num_heads, H), lambda b, t, g: (b, t, 0, 0)), cache_spec, cache_spec],
         out_shape=[
             jax.ShapeDtypeStruct((B, T, num_heads, H), qkv.dtype),
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
