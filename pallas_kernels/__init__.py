@@ -54,6 +54,12 @@ What the third session measured (BENCHMARKS.md):
 - Mosaic GPU kernels can be checked on the CPU with jax 0.10.2's Mosaic GPU
   interpreter only through plgpu.kernel's named grid axes (program_id is
   always 0 in an interpreted pallas_call grid) and whole-array BlockSpecs.
+  A tensor-core attention step does not run there at all: pl.run_state is
+  unsupported, plgpu.transpose_ref fails ('TransposeTransform' object has no
+  attribute 'indices') and so does a store into a tiled, swizzled SMEM ref
+  (a shape assertion). So a Mosaic GPU prefill kernel (the lowering JAX's own
+  kernel shows to be faster for prefill) would need its tiling and masking
+  tested another way; it is not written.
 When Triton is removed from Pallas, the kernels' structure (rows = tokens x
 group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
