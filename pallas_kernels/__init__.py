@@ -56,7 +56,7 @@ What the third session measured (BENCHMARKS.md):
   always 0 in an interpreted pallas_call grid) and whole-array BlockSpecs.
   A tensor-core attention step does not run there at all: pl.run_state is
   unsupported, plgpu.transpose_ref fails ('TransposeTransform' object has no
-  attribute 'indices') and so does a store into a tiled, swizzled SMEM ref
+  attribute 'indices') and so does writing a tiled, swizzled SMEM ref
   (a shape assertion). So a Mosaic GPU prefill kernel (the lowering JAX's own
   kernel shows to be faster for prefill) would need its tiling and masking
   tested another way; it is not written.
