@@ -79,12 +79,14 @@ def tiny_plan() -> Plan:
                 gammas=(1, 3), reps=3, inner=2, copy_bytes=1 << 20, matmul_n=128)
 
 
-def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype, with_drafter: bool) -> spec_round.DecodeState:
+def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype,
+                 with_drafter: bool) -> spec_round.DecodeState:
     t, d = plan.target, plan.drafter
     key = jax.random.key(batch * 7 + length)
     return spec_round.DecodeState(
         target_cache=measure.random_cache(t.num_layers, batch, t.num_kv_heads, capacity, t.head_dim, length, dtype, 11),
-        draft_cache=measure.random_cache(1, batch, d.num_kv_heads, capacity, d.head_dim, length, dtype, 99) if with_drafter else None,
+        draft_cache=(measure.random_cache(1, batch, d.num_kv_heads, capacity, d.head_dim, length, dtype, 99)
+                     if with_drafter else None),
         last_token=jax.random.randint(key, (batch,), 0, t.vocab_size, jnp.int32),
         draft_hidden=measure.normal(key, (batch, d.hidden_size), dtype) if with_drafter else None,
         num_generated=jnp.zeros((batch,), jnp.int32),
@@ -105,8 +107,10 @@ class Bench:
         self.deadline = time.perf_counter() + budget_s
         self.results: dict = {"skipped": []}
         t0 = time.perf_counter()
-        self.tparams = target.params if target else measure.random_tree(target_lib.abstract_params(plan.target, dtype), seed=1)
-        self.dparams = drafter.params if drafter else measure.random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2)
+        self.tparams = (target.params if target
+                        else measure.random_tree(target_lib.abstract_params(plan.target, dtype), seed=1))
+        self.dparams = (drafter.params if drafter
+                        else measure.random_tree(drafter_lib.abstract_params(plan.drafter, dtype), seed=2))
         jax.block_until_ready((self.tparams, self.dparams))
         self.results["init_s"] = time.perf_counter() - t0
         self.target = target or Target(plan.target, self.tparams, folder=None)
@@ -137,7 +141,8 @@ class Bench:
                      bytes_read=read, compile_s=compile_s)
         self.results.setdefault(section, []).append(entry)
         self.save()
-        self.log(f"{section:12s} {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})}")
+        rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}
+        self.log(f"{section:12s} {json.dumps(rounded)}")
         return entry
 
     def save(self) -> None:
@@ -170,7 +175,8 @@ class Bench:
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
         seconds, state = self.time(lambda s: compiled(self.tparams, None, s), state, ())
-        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
+        read = (measure.target_weight_bytes(self.tparams)
+                + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length))
         kernel_times = None
         if profile:
             holder = [state]
@@ -190,7 +196,8 @@ class Bench:
                                 kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.tparams, toks, cache)
         seconds, _ = self.time(compiled, cache, (self.tparams, toks))
-        read = measure.target_weight_bytes(self.tparams) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
+        read = (measure.target_weight_bytes(self.tparams)
+                + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens))
         entry = {"batch": batch, "kv_len": L, "tokens": tokens, "kernels": kernels}
         self.row("verify", entry, seconds, read, compile_s)
 
@@ -275,7 +282,8 @@ class Bench:
         matmuls alone; with the number of kernels XLA emits for each."""
         t = self.plan.target
         out = {}
-        cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length, self.dtype, 5)
+        cache = measure.random_cache(t.num_layers, batch, t.num_kv_heads, length + 64, t.head_dim, length,
+                                     self.dtype, 5)
         tokens = jnp.zeros((batch, 1), jnp.int32) + 3
         for name, step, args in (
             ("forward_no_head", measure.jit_step(measure.forward_only, 3, cfg=t, kernels=kernels),
@@ -314,7 +322,8 @@ class Bench:
         outs = {(impl, mode): [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
                                                           kernels=impl).generate(prompts, new_tokens)]
                 for impl in impls for mode, drafter in modes.items()}
-        report = {f"{impl}: gamma_{gamma} vs spec_off": self._compare(prompts, outs[impl, "spec_off"], outs[impl, f"gamma_{gamma}"])
+        report = {f"{impl}: gamma_{gamma} vs spec_off":
+                  self._compare(prompts, outs[impl, "spec_off"], outs[impl, f"gamma_{gamma}"])
                   for impl in impls}
         if len(impls) == 2:
             report.update({f"{mode}: pallas vs xla": self._compare(prompts, outs["xla", mode], outs["pallas", mode])
@@ -379,8 +388,9 @@ class Bench:
         t = self.plan.target
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cfg = HFConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                       num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
-                       head_dim=t.head_dim, tie_word_embeddings=False, max_position_embeddings=t.max_position_embeddings)
+                       num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
+                       num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, tie_word_embeddings=False,
+                       max_position_embeddings=t.max_position_embeddings)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
         try:
@@ -436,7 +446,8 @@ class Bench:
         return self.results
 
     def _spec_set(self, batch: int, gamma: int, kernels: str) -> None:
-        if batch == self.plan.spec_batches[0] and not any(r["batch"] == batch for r in self.results.get("draft_step", [])):
+        measured = self.results.get("draft_step", [])
+        if batch == self.plan.spec_batches[0] and not any(r["batch"] == batch for r in measured):
             if self.time_left(f"draft_step b{batch}"):
                 self.draft_step(batch, kernels)
         for label, fn in (("verify", lambda: self.verify(batch, gamma + 1, kernels)),
@@ -493,7 +504,8 @@ def summary(results: dict) -> str:
         for r in results.get(section, []):
             keys = [f"{k}={r[k]}" for k in ("batch", "kv_len", "tokens", "gamma", "kernels") if k in r]
             label = f"{section} {' '.join(keys)}"
-            lines.append(f"{label:34s} {r['time_ms']:9.3f} {r['floor_ms']:9.3f} {r['ratio']:8.2f} {r['compile_s']:9.1f}")
+            lines.append(f"{label:34s} {r['time_ms']:9.3f} {r['floor_ms']:9.3f} {r['ratio']:8.2f} "
+                         f"{r['compile_s']:9.1f}")
             if section == "round" and "overhead" in r:
                 proj = ", ".join(f"tau {k}: {v:.0f}" for k, v in r["projected_tokens_per_s"].items())
                 lines.append(f"{'':34s} overhead beyond parts {r['overhead'] * 100:+.1f}%; projected tok/s {proj}; "
@@ -501,7 +513,8 @@ def summary(results: dict) -> str:
     if "engine" in results:
         e = results["engine"]
         lines.append(f"engine: {e['transfers_per_round']:.2f} device-to-host transfers per round, "
-                     f"{e['round_compilations']} round compilation(s), {e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
+                     f"{e['round_compilations']} round compilation(s), "
+                     f"{e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
     for name, rows in results.get("agreement", {}).items():
         lines.append(f"agreement {name}: " + "; ".join(
             "identical" if r["identical"] else f"differs from token {r['first_difference']} (margin {r['margin']:.2e})"

@@ -15,7 +15,8 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
 def _tokenizer(folder: Path):
@@ -41,7 +42,8 @@ def _generate(args) -> int:
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
                                kernels=args.kernels)
-    stops = args.stop_ids or ([tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
+    has_eos = tokenizer is not None and tokenizer.eos_token_id is not None
+    stops = args.stop_ids or ([tokenizer.eos_token_id] if has_eos else [])
     engine.generate([prompt], max_new_tokens=2)  # compile prefill and the round outside the timing
     start = time.perf_counter()
     (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)

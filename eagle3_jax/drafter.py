@@ -141,6 +141,7 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
         nxt = draft_token(params, cfg, out)
         return (carried(params, cfg, out), nxt, buf), nxt
 
-    (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache), jnp.arange(gamma - 1, dtype=jnp.int32))
+    (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache),
+                                           jnp.arange(gamma - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
     return drafts, cache_out.with_lengths(cache.lengths)

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import safetensors_io
 from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import safetensors_io
 from eagle3_jax.checkpoint import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
 from eagle3_jax.config import RopeConfig, parse_rope, read_json
 from eagle3_jax.drafter import DrafterConfig
@@ -61,7 +61,8 @@ def _layout(raw: dict[str, Any], where: Path) -> _Layout:
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise CheckpointError(f"{where}: speculators config without 'transformer_layer_config'")
-        flags = {k: bool(raw.get(k, False)) for k in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")}
+        names = ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")
+        flags = {k: bool(raw.get(k, False)) for k in names}
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         return _Layout(layer, "layers.0.", flags, tuple(int(i) for i in ids) if ids else None)
     if not set(raw.get("architectures") or ()) & set(FLAT_ARCHITECTURES):
@@ -71,8 +72,8 @@ def _layout(raw: dict[str, Any], where: Path) -> _Layout:
         )
     if raw.get("norm_output") is False:
         raise CheckpointError(f"{where}: norm_output=false (logits without the final norm) is not supported")
-    flags = {"norm_before_residual": bool(raw.get("norm_before_residual", False)), "fc_norm": bool(raw.get("fc_norm", False)),
-             "norm_before_fc": False, "norm_output": False}
+    flags = {"norm_before_residual": bool(raw.get("norm_before_residual", False)),
+             "fc_norm": bool(raw.get("fc_norm", False)), "norm_before_fc": False, "norm_output": False}
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     capture = tuple(int(i) + 1 for i in nested) if nested else tuple(int(i) for i in top) if top else None
@@ -81,14 +82,16 @@ def _layout(raw: dict[str, Any], where: Path) -> _Layout:
 
 def _check_layer_config(layer: dict[str, Any], where: Path) -> None:
     if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise CheckpointError(f"{where}: num_hidden_layers={layer['num_hidden_layers']}: only one-layer drafters are supported")
+        raise CheckpointError(
+            f"{where}: num_hidden_layers={layer['num_hidden_layers']}: only one-layer drafters are supported")
     if layer.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act={layer['hidden_act']!r} is not supported (only 'silu')")
     for flag in ("attention_bias", "mlp_bias"):
         if layer.get(flag):
             raise CheckpointError(f"{where}: {flag}=true is not supported")
     if layer.get("model_type", "llama") not in ("llama", "qwen3"):
-        raise CheckpointError(f"{where}: drafter layer type {layer.get('model_type')!r} is not supported (llama or qwen3)")
+        raise CheckpointError(
+            f"{where}: drafter layer type {layer.get('model_type')!r} is not supported (llama or qwen3)")
 
 
 def _read_weights(folder: Path) -> dict[str, np.ndarray]:
@@ -103,7 +106,8 @@ def _read_weights(folder: Path) -> dict[str, np.ndarray]:
         try:
             import torch
         except ImportError:
-            raise CheckpointError(f"{bin_file}: reading .bin files needs torch; convert it first with `eagle3-jax convert`") from None
+            raise CheckpointError(
+                f"{bin_file}: reading .bin files needs torch; convert it first with `eagle3-jax convert`") from None
         try:
             state = torch.load(bin_file, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many types for a bad pickle
@@ -142,7 +146,8 @@ def _expected_shapes(cfg: DrafterConfig, prefix: str) -> dict[str, tuple[int, ..
     return shapes
 
 
-def _config(raw: dict[str, Any], layout: _Layout, weights: dict[str, np.ndarray], target: Target, where: Path) -> DrafterConfig:
+def _config(raw: dict[str, Any], layout: _Layout, weights: dict[str, np.ndarray], target: Target,
+            where: Path) -> DrafterConfig:
     """The drafter's config, checked against its weights and against the target."""
     layer, tcfg = layout.layer, target.config
     _check_layer_config(layer, where)
@@ -160,7 +165,8 @@ def _config(raw: dict[str, Any], layout: _Layout, weights: dict[str, np.ndarray]
         raise CheckpointError(f"{where}: {q_name} has {q_rows} rows, not a multiple of num_attention_heads={heads}")
     head_dim = q_rows // heads  # from the weights: published configs sometimes disagree with them
     if layer.get("head_dim") not in (None, head_dim):
-        warnings.warn(f"{where}: config head_dim={layer['head_dim']} disagrees with the weights ({head_dim}); using {head_dim}")
+        warnings.warn(
+            f"{where}: config head_dim={layer['head_dim']} disagrees with the weights ({head_dim}); using {head_dim}")
     target_hidden = int(raw.get("target_hidden_size") or hidden)
     vocab = int(layer.get("vocab_size") or raw.get("vocab_size") or 0)
     capture = layout.capture or tcfg.default_capture_layers
@@ -186,7 +192,8 @@ def _check_fit(where: Path, target: Target, *, target_hidden: int, vocab: int, c
     """A drafter trained for another target is refused, naming the mismatch."""
     tcfg = target.config
     if target_hidden != tcfg.hidden_size:
-        raise CheckpointError(f"{where}: drafter expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
+        raise CheckpointError(
+            f"{where}: drafter expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
     if vocab != tcfg.vocab_size:
         raise CheckpointError(f"{where}: drafter vocab_size {vocab} does not match the target's {tcfg.vocab_size}")
     bad = [c for c in capture if not 0 <= c < tcfg.num_layers]
@@ -206,9 +213,10 @@ def _check_weights(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarra
     unknown = sorted(set(weights) - set(expected) - {"d2t", "t2d", "embed_tokens.weight"})
     if unknown:
         raise CheckpointError(f"{where}: unexpected tensors {unknown[:4]} (an unsupported drafter variant?)")
-    if "embed_tokens.weight" in weights and weights["embed_tokens.weight"].shape != (cfg.target_vocab_size, cfg.hidden_size):
-        raise CheckpointError(f"{where}: tensor 'embed_tokens.weight' has shape {weights['embed_tokens.weight'].shape}, "
-                              f"expected {(cfg.target_vocab_size, cfg.hidden_size)}")
+    embed_shape = (cfg.target_vocab_size, cfg.hidden_size)
+    if "embed_tokens.weight" in weights and weights["embed_tokens.weight"].shape != embed_shape:
+        raise CheckpointError(f"{where}: tensor 'embed_tokens.weight' has shape "
+                              f"{weights['embed_tokens.weight'].shape}, expected {embed_shape}")
     if "embed_tokens.weight" not in weights and cfg.hidden_size != cfg.target_hidden_size:
         raise CheckpointError(f"{where}: drafter hidden size {cfg.hidden_size} differs from the target's "
                               f"{cfg.target_hidden_size} and it ships no embed_tokens.weight")
@@ -219,13 +227,16 @@ def _draft_to_target(cfg: DrafterConfig, weights: dict[str, np.ndarray], where: 
     d2t = weights.get("d2t")
     if d2t is None:
         if cfg.draft_vocab_size != cfg.target_vocab_size:
-            raise CheckpointError(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab {cfg.target_vocab_size} but no 'd2t' tensor")
+            raise CheckpointError(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab "
+                                  f"{cfg.target_vocab_size} but no 'd2t' tensor")
         return np.zeros((cfg.draft_vocab_size,), np.int32)
     if d2t.shape != (cfg.draft_vocab_size,) or not np.issubdtype(d2t.dtype, np.integer):
-        raise CheckpointError(f"{where}: tensor 'd2t' must be integer [{cfg.draft_vocab_size}], got {d2t.dtype} {d2t.shape}")
+        raise CheckpointError(
+            f"{where}: tensor 'd2t' must be integer [{cfg.draft_vocab_size}], got {d2t.dtype} {d2t.shape}")
     ids = np.arange(cfg.draft_vocab_size) + d2t
     if ids.min() < 0 or ids.max() >= cfg.target_vocab_size:
-        raise CheckpointError(f"{where}: tensor 'd2t' maps draft ids outside the target vocabulary [0, {cfg.target_vocab_size})")
+        raise CheckpointError(
+            f"{where}: tensor 'd2t' maps draft ids outside the target vocabulary [0, {cfg.target_vocab_size})")
     return d2t.astype(np.int32)
 
 
@@ -305,7 +316,8 @@ def _load_orbax(folder: Path, target: Target, dtype) -> Drafter:
     if marker.get("kind") != "drafter" or marker.get("format_version") != _FORMAT_VERSION:
         raise CheckpointError(f"{folder / ORBAX_MARKER}: not a drafter converted by this version")
     cfg = _config_from_json(marker["config"])
-    _check_fit(folder, target, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size, capture=cfg.capture_layers)
+    _check_fit(folder, target, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size,
+               capture=cfg.capture_layers)
     stored = jnp.dtype(marker["dtype"])
     params = restore_params(folder, drafter_lib.abstract_params(cfg, stored, with_embed=marker["has_embed"]))
     if stored != dtype:

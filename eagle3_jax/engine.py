@@ -70,7 +70,8 @@ class Engine:
                  kernels: str | None = None):
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
+            raise ValueError(
+                f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
         if drafter is not None and num_draft_tokens < 1:
@@ -107,12 +108,14 @@ class Engine:
                 if live[i]:
                     accepts[i].append(int(out.accepted[i]))
                     if trace:
-                        traces[i].append(RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), int(out.accepted[i])))
+                        traces[i].append(
+                            RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), int(out.accepted[i])))
                 if out.done[i] and new and new[-1] in stops:
                     reasons[i] = "stop"
         return [Result(t, r, a, tr if trace else None) for t, r, a, tr in zip(tokens, reasons, accepts, traces)]
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
         """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point. A bad
         request raises here, before the first chunk is asked for."""
         rounds = self._rounds(self._prepare(prompts, max_new_tokens, stop_token_ids))

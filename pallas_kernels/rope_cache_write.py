@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _common
 
-
 HEADS_PER_PROGRAM = 8  # q, k and v heads alike: Qwen3-8B's 32 + 8 + 8 heads are 6 programs per token
 
 

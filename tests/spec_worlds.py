@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import eagle3_jax
+
 import drafter_oracle as oracle
 from hf_models import build_model
 

@@ -11,6 +11,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax import target as target_lib
 from eagle3_jax.kernels import CHOICES
+
 import drafter_oracle as oracle
 from hf_models import build_model, save_model
 

@@ -17,7 +17,8 @@ def test_attention_bench_dry_run(tmp_path):
     rows = json.loads((tmp_path / "bench_attention.json").read_text())
     assert {r["kind"] for r in rows} == {"ceilings", "sweep", "prefill", "decode"}
     decode = [r for r in rows if r["kind"] == "decode"]
-    assert {(r["B"], r["L"], r["T"]) for r in decode} == {(b, l, t) for b in (1, 2) for l in (64, 200) for t in (1, 4, 8)}
+    shapes = {(b, l, t) for b in (1, 2) for l in (64, 200) for t in (1, 4, 8)}
+    assert {(r["B"], r["L"], r["T"]) for r in decode} == shapes
     for r in rows:
         errors = [v for k, v in r.items() if k.endswith("_err")]
         assert all(e < 1e-5 for e in errors), r

@@ -10,6 +10,7 @@ import torch
 
 import eagle3_jax
 from eagle3_jax import CheckpointError
+
 from hf_models import build_model, save_model
 
 
@@ -32,7 +33,8 @@ def test_bf16_loads_bit_exact_and_fused(hf_folder):
     assert layer["wqkv"].dtype == jax.numpy.bfloat16
     q, k, v = (state[f"model.layers.1.self_attn.{x}_proj.weight"].view(torch.int16).numpy() for x in "qkv")
     assert np.array_equal(bits(layer["wqkv"]), np.concatenate([q, k, v]).view(np.uint16))
-    assert np.array_equal(bits(tgt.params["lm_head"]), state["lm_head.weight"].view(torch.int16).numpy().view(np.uint16))
+    head_bits = state["lm_head.weight"].view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bits(tgt.params["lm_head"]), head_bits)
 
 
 def test_convert_round_trip_is_bit_identical(hf_folder, tmp_path):
@@ -41,7 +43,8 @@ def test_convert_round_trip_is_bit_identical(hf_folder, tmp_path):
     dst = eagle3_jax.convert(folder, tmp_path / "orbax")
     restored = eagle3_jax.load_target(dst, progress=False)
     assert restored.config == original.config
-    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(bits(a), bits(b)), original.params, restored.params)
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(bits(a), bits(b)),
+                        original.params, restored.params)
     assert all(jax.tree.leaves(same)) and len(jax.tree.leaves(same)) == len(jax.tree.leaves(original.params))
     with pytest.raises(CheckpointError, match="already exists"):
         eagle3_jax.convert(folder, dst)

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import eagle3_jax
 from eagle3_jax.cli import main
+
 import spec_worlds as worlds
 
 

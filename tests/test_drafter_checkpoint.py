@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_drafter_golden import BASE, HT, LAYERS, VT, fake_target
 
 import eagle3_jax
 from eagle3_jax import CheckpointError
+
 import drafter_oracle as oracle
-from test_drafter_golden import BASE, HT, LAYERS, VT, fake_target
 
 
 @pytest.fixture
@@ -57,7 +58,8 @@ def test_convert_round_trip(tmp_path, target, variant):
     if variant == "speculators_all_flags":  # Qwen3 layer, norm_before_fc, norm_output, its own embedding
         spec = dataclasses.replace(BASE, qk_norm=True, norm_before_fc=True, norm_output=True, norm_before_residual=True)
         embed = torch.randn(VT, HT)
-        path = oracle.write_speculators(tmp_path / "src", spec, oracle.random_drafter_state(spec, 1), include_embed=embed)
+        path = oracle.write_speculators(tmp_path / "src", spec, oracle.random_drafter_state(spec, 1),
+                                        include_embed=embed)
     else:
         spec = dataclasses.replace(BASE, fc_norm=variant == "fc_norm")
         path = oracle.write_specforge(tmp_path / "src", spec, oracle.random_drafter_state(spec, 1))

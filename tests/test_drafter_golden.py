@@ -12,6 +12,7 @@ import eagle3_jax
 from eagle3_jax import drafter as drafter_lib
 from eagle3_jax.checkpoint import Target
 from eagle3_jax.config import Qwen3Config
+
 import drafter_oracle as oracle
 
 HT, VT, LAYERS = 48, 200, 8
@@ -23,20 +24,23 @@ BASE = oracle.DraftSpec(hidden_size=HT, intermediate_size=80, num_heads=4, num_k
 CASES = [
     ("specforge_gqa_headdim", BASE, oracle.write_specforge),
     ("angelslim_bin_mha", dataclasses.replace(BASE, num_heads=3, num_kv_heads=3, head_dim=24), oracle.write_angelslim),
-    ("specforge_wide_target", dataclasses.replace(BASE, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=1,
-                                                  head_dim=8), oracle.write_specforge),
+    ("specforge_wide_target", dataclasses.replace(BASE, hidden_size=32, intermediate_size=64, num_heads=4,
+                                                  num_kv_heads=1, head_dim=8), oracle.write_specforge),
     ("specforge_fc_norm", dataclasses.replace(BASE, fc_norm=True), oracle.write_specforge),
     ("specforge_norm_before_residual", dataclasses.replace(BASE, norm_before_residual=True), oracle.write_specforge),
-    ("speculators_norm_before_residual", dataclasses.replace(BASE, norm_before_residual=True), oracle.write_speculators),
+    ("speculators_norm_before_residual", dataclasses.replace(BASE, norm_before_residual=True),
+     oracle.write_speculators),
     ("speculators_qwen3_layer", dataclasses.replace(BASE, qk_norm=True, num_kv_heads=1), oracle.write_speculators),
-    ("speculators_norm_before_fc_output", dataclasses.replace(BASE, norm_before_fc=True, norm_output=True), oracle.write_speculators),
+    ("speculators_norm_before_fc_output", dataclasses.replace(BASE, norm_before_fc=True, norm_output=True),
+     oracle.write_speculators),
     ("speculators_identity_vocab", dataclasses.replace(BASE, draft_vocab_size=VT), oracle.write_speculators),
 ]
 
 
 def fake_target(embed: np.ndarray) -> Target:
     cfg = Qwen3Config.from_dict(dict(model_type="qwen3", vocab_size=VT, hidden_size=HT, intermediate_size=64,
-                                     num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=12))
+                                     num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=12))
     return Target(cfg, {"embed": jnp.asarray(embed)}, folder=None)
 
 
@@ -74,7 +78,8 @@ def inputs(spec, B=2, P=9, seed=6):
 def test_loaded_config_matches_spec(case):
     spec, state, _, _, drafter, _ = case
     cfg = drafter.config
-    assert (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads)
+    shape = lambda c: (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads)  # noqa: E731
+    assert shape(cfg) == shape(spec)
     assert cfg.draft_vocab_size == spec.draft_vocab_size and cfg.capture_layers == (2, LAYERS // 2, LAYERS - 3)
     assert (cfg.norm_before_residual, cfg.qk_norm, cfg.fc_norm, cfg.norm_before_fc, cfg.norm_output) == (
         spec.norm_before_residual, spec.qk_norm, spec.fc_norm, spec.norm_before_fc, spec.norm_output)
@@ -117,7 +122,8 @@ def test_draft_chain_matches_reference(case, gamma):
         tok = drafts[:, k]
         if k + 1 < gamma:
             h_in = drafter_lib.carried(drafter.params, drafter.config, carry)
-            carry, cache = drafter_lib.forward(drafter.params, drafter.config, embed_j, h_in[:, None], tok[:, None], cache, "xla")
+            carry, cache = drafter_lib.forward(drafter.params, drafter.config, embed_j, h_in[:, None], tok[:, None],
+                                               cache, "xla")
             carry = carry[:, 0]
             cache = cache.with_lengths(cache.lengths + 1)
     for k in range(gamma):

@@ -18,10 +18,10 @@ pytest.importorskip("specforge")
 pytest.importorskip("safetensors")
 
 sys.path.insert(0, os.path.dirname(__file__))
-import drafter_oracle as O  # noqa: E402
-
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+import drafter_oracle as O  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flash_attn is not found")
 

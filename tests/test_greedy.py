@@ -6,6 +6,7 @@ import torch
 
 import eagle3_jax
 from eagle3_jax import engine as engine_lib
+
 from hf_models import build_model, save_model
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]

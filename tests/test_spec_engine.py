@@ -8,6 +8,7 @@ import torch
 
 import eagle3_jax
 from eagle3_jax import engine as engine_lib
+
 import drafter_oracle as oracle
 import spec_worlds as worlds
 

@@ -1,14 +1,14 @@
 """The target against transformers' Qwen3 (float32, CPU): logits at prefill and every decode step,
 and the EAGLE-3 features, for a batch of prompts of different lengths."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-import jax.numpy as jnp
-
 import eagle3_jax
 from eagle3_jax import target as target_lib
+
 from hf_models import CONFIGS, build_model, save_model
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64]]
