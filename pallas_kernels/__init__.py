@@ -47,17 +47,19 @@ What the third session measured (BENCHMARKS.md):
 - Our Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in
   jax 0.11.2 XLA builds them from the thunk sequence, where each call is a
   plain kernel thunk. (The second session believed the opposite; withdrawn.)
-- add_rms_norm written for Mosaic GPU was slower: 1.90 against 1.67 us of
-  kernel time, and 0.655 against 0.502 ms for a jit of 72 calls; a Mosaic GPU
-  call is an FFI custom call in XLA, not a plain kernel. So the small fused
-  kernels stay on Triton.
-- Mosaic GPU kernels can be checked on the CPU with jax 0.10.2's Mosaic GPU
-  interpreter only through plgpu.kernel's named grid axes (program_id is
-  always 0 in an interpreted pallas_call grid) and whole-array BlockSpecs.
-  A tensor-core attention step does not run there at all: pl.run_state is
+- add_rms_norm written for Mosaic GPU was slower than the Triton kernel (then
+  with 4 warps): 1.90 against 1.67 us of kernel time, and 0.655 against
+  0.502 ms for a jit of 72 calls; a Mosaic GPU call is an FFI custom call in
+  XLA, not a plain kernel. So the small fused kernels stay on Triton.
+What it found on the CPU (jax 0.10.2's Mosaic GPU interpreter; the probes are
+in commit MOSAIC_PROBE_COMMIT):
+- Mosaic GPU kernels can be checked there only through plgpu.kernel's named
+  grid axes (program_id is always 0 in an interpreted pallas_call grid) and
+  whole-array BlockSpecs.
+- A tensor-core attention step does not run there at all: pl.run_state is
   unsupported, plgpu.transpose_ref fails ('TransposeTransform' object has no
-  attribute 'indices') and so does writing a tiled, swizzled SMEM ref
-  (a shape assertion). So a Mosaic GPU prefill kernel (the lowering JAX's own
+  attribute 'indices') and so does writing a tiled, swizzled SMEM ref (a
+  shape assertion). So a Mosaic GPU prefill kernel (the lowering JAX's own
   kernel shows to be faster for prefill) would need its tiling and masking
   tested another way; it is not written.
 When Triton is removed from Pallas, the kernels' structure (rows = tokens x

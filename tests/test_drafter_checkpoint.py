@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_drafter_golden import BASE, HT, LAYERS, VT, fake_target
 
 import eagle3_jax
 from eagle3_jax import CheckpointError
 
 import drafter_oracle as oracle
+from test_drafter_golden import BASE, HT, LAYERS, VT, fake_target
 
 
 @pytest.fixture

@@ -54,7 +54,9 @@ def _qkv_inputs(dtype, B=2, T=3, N=6, K=2, H=16, S=8):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_norms", [True, False])
-@pytest.mark.parametrize("N,K", [(6, 2), (6, 3), (4, 1), (8, 8)])  # 6 and 3: heads padded to 8 and 4
+# Programs hold 8 heads: (6, 2) straddles q/k in the first program and leaves a partial second one; (6, 3)
+# straddles k/v; (4, 1) has q, k and v in one partial program; (8, 8) puts k and v in later programs.
+@pytest.mark.parametrize("N,K", [(6, 2), (6, 3), (4, 1), (8, 8), (12, 2)])  # (12, 2): q heads in a later program
 def test_rope_cache_write(dtype, with_norms, N, K):
     qkv, cos, sin, k_cache, v_cache, (q_norm, k_norm) = _qkv_inputs(dtype, N=N, K=K)
     S = k_cache.shape[2]
