@@ -52,7 +52,7 @@ What the third session measured (BENCHMARKS.md):
   0.502 ms for a jit of 72 calls; a Mosaic GPU call is an FFI custom call in
   XLA, not a plain kernel. So the small fused kernels stay on Triton.
 What it found on the CPU (jax 0.10.2's Mosaic GPU interpreter; the probes are
-in commit MOSAIC_PROBE_COMMIT):
+in commit 8d072de):
 - Mosaic GPU kernels can be checked there only through plgpu.kernel's named
   grid axes (program_id is always 0 in an interpreted pallas_call grid) and
   whole-array BlockSpecs.
