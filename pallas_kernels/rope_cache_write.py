@@ -83,18 +83,15 @@ def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, *refs, num_heads, num_kv_heads
     slot = jnp.minimum(position, k_out.shape[1] - 1)
     # Each row stores into one of q_out, k_out, v_out; in the other two its index is past the end
     # (distinct and masked off), never a real row that a masked-off store could race.
-    for ref, mine, index, keep in (
-        (q_out, is_q, head, real),
-        (k_out, is_k, head - N, real & in_cache),
-        (v_out, is_v, head - N - K, real & in_cache),
+    for ref, mine, index, keep, at_slot in (
+        (q_out, is_q, head, real, ()),
+        (k_out, is_k, head - N, real & in_cache, (slot,)),
+        (v_out, is_v, head - N - K, real & in_cache, (slot,)),
     ):
-        rows = ref.shape[0]
-        index = jnp.where(mine, index, rows + head)[:, None]
+        index = jnp.where(mine, index, ref.shape[0] + head)[:, None]
         mask = (mine & keep)[:, None]
-        at = (index, cols) if ref is q_out else (index, slot, cols)
-        at_hi = (index, cols + half) if ref is q_out else (index, slot, cols + half)
-        pltriton.store(ref.at[at], out1.astype(ref.dtype), mask=mask)
-        pltriton.store(ref.at[at_hi], out2.astype(ref.dtype), mask=mask)
+        pltriton.store(ref.at[(index, *at_slot, cols)], out1.astype(ref.dtype), mask=mask)
+        pltriton.store(ref.at[(index, *at_slot, cols + half)], out2.astype(ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret"))
