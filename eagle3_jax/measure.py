@@ -95,11 +95,18 @@ KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
 )
 
 
+# The batch-1 matvecs are XLA reduction fusions (layers.linear); they are the only reductions in a step
+# that take this long per launch, the norms' and split-K reduces' take about 1-2 us.
+MATVEC_MIN_US = 4.0
+
+
 def kernel_groups(kernel_times: dict[str, list]) -> dict[str, float]:
     """GPU microseconds per step by kind of kernel; what matches no group is "other (small XLA fusions)"."""
     out: dict[str, float] = {}
-    for name, (_, us) in kernel_times.items():
+    for name, (count, us) in kernel_times.items():
         group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other (small XLA fusions)")
+        if group.startswith("other") and "reduce" in name and us / count >= MATVEC_MIN_US:
+            group = "matmuls"
         out[group] = out.get(group, 0.0) + us
     return out
 
