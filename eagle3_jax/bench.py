@@ -101,9 +101,11 @@ def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype,
 
 class Bench:
     def __init__(self, plan: Plan, kernels: tuple[str, ...], budget_s: float, dtype, out: Path | None,
-                 target: Target | None = None, drafter: Drafter | None = None):
-        """Random weights at the plan's shapes, unless a loaded target and drafter are given."""
+                 target: Target | None = None, drafter: Drafter | None = None, rounds_per_call: int = 4):
+        """Random weights at the plan's shapes, unless a loaded target and drafter are given. Decode steps
+        and rounds are timed as the engine runs them, rounds_per_call to a device call."""
         self.plan, self.kernels, self.dtype, self.out = plan, kernels, dtype, out
+        self.rounds_per_call = rounds_per_call
         self.deadline = time.perf_counter() + budget_s
         self.results: dict = {"skipped": []}
         t0 = time.perf_counter()
@@ -162,19 +164,24 @@ class Bench:
         return measure.kv_bytes(cfg_layers, batch, length, kv_heads, head_dim, jnp.dtype(self.dtype).itemsize)
 
     def decode(self, batch: int, length: int, kernels: str) -> None:
-        """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit)."""
+        """The spec-off step the engine runs: a round with no drafter (one target token, argmax, commit),
+        per round of the engine's calls of several rounds."""
         seconds, compile_s, _, read, _ = self._spec_off_step(batch, length, kernels)
-        self.row("decode", {"batch": batch, "kv_len": length, "kernels": kernels, "tokens_per_s": batch / seconds},
-                 seconds, read, compile_s)
+        entry = {"batch": batch, "kv_len": length, "kernels": kernels, "tokens_per_s": batch / seconds,
+                 "rounds_per_call": self.rounds_per_call}
+        self.row("decode", entry, seconds, read, compile_s)
 
-    def _spec_off_step(self, batch: int, length: int, kernels: str, profile: bool = False):
-        """Compiles and times the engine's spec-off step: (seconds, compile seconds, executable, bytes read,
-        and with profile=True the GPU time of each kernel per step, else None)."""
+    def _spec_off_step(self, batch: int, length: int, kernels: str, profile: bool = False,
+                       rounds_per_call: int | None = None):
+        """Compiles and times the engine's spec-off step: (seconds per round, compile seconds, executable,
+        bytes read per round, and with profile=True the GPU time of each kernel per round, else None)."""
         t = self.plan.target
-        engine = Engine(self.target, None, max_len=length + 64, kernels=kernels)
+        rounds = rounds_per_call or self.rounds_per_call
+        engine = Engine(self.target, None, max_len=length + 64, kernels=kernels, rounds_per_call=rounds)
         state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
         seconds, state = self.time(lambda s: compiled(self.tparams, None, s), state, ())
+        seconds /= rounds
         read = (measure.target_weight_bytes(self.tparams)
                 + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length))
         kernel_times = None
@@ -185,7 +192,8 @@ class Bench:
                 holder[0], out = compiled(self.tparams, None, holder[0])
                 return out
 
-            kernel_times = measure.gpu_kernel_times(run)
+            kernel_times = {name: [n / rounds, us / rounds]
+                            for name, (n, us) in measure.gpu_kernel_times(run).items()}
         return seconds, compile_s, compiled, read, kernel_times
 
     def verify(self, batch: int, tokens: int, kernels: str) -> None:
@@ -246,19 +254,23 @@ class Bench:
 
     def round(self, batch: int, gamma: int, kernels: str) -> None:
         L = self.plan.spec_kv_length
-        # Room for the rounds timed (about one token each with random weights) to stay near length L.
+        # Room for most rounds timed (about one token each with random weights) to stay near length L; a row
+        # that reaches capacity is done, and a done row costs the same compute.
         capacity = min(L + 512, self.plan.target.max_position_embeddings)
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels)
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels,
+                        rounds_per_call=self.rounds_per_call)
         state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
         compiled, compile_s = measure.compile_timed(engine._round, self.tparams, self.dparams, state)
         seconds, _ = self.time(lambda s: compiled(self.tparams, self.dparams, s), state, ())
+        seconds /= self.rounds_per_call
         measured = self._parts(batch, gamma, kernels)
         parts = {r["section"]: r["time_ms"] for r in measured}
         t = self.plan.target
         read = (measure.target_weight_bytes(self.tparams)
                 + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
                 + sum(r["bytes_read"] for r in measured if r["section"] != "verify"))
-        entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "parts_ms": parts}
+        entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "parts_ms": parts,
+                 "rounds_per_call": self.rounds_per_call}
         self.row("round", entry, seconds, read, compile_s)
         if len(parts) == 3:
             entry["overhead"] = seconds * 1e3 / sum(parts.values()) - 1
@@ -297,8 +309,13 @@ class Bench:
             if name != "matmuls_only":
                 cache = state
             out[name] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled)}
-        seconds, _, compiled, read, kernel_times = self._spec_off_step(batch, length, kernels, profile=True)
-        out["step"] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled)}
+        seconds, _, _, read, kernel_times = self._spec_off_step(batch, length, kernels, profile=True)
+        # One round per call: what the engine's scan of rounds saves, and the kernel count (a scan's kernels
+        # are in its loop body, not in the entry computation that kernel_count reads).
+        single, _, compiled, _, _ = self._spec_off_step(batch, length, kernels, rounds_per_call=1)
+        out["step_one_round_per_call"] = {"time_ms": single * 1e3, "kernel_count": measure.kernel_count(compiled)}
+        out["step"] = {"time_ms": seconds * 1e3, "kernel_count": measure.kernel_count(compiled),
+                       "rounds_per_call": self.rounds_per_call}
         if kernel_times:  # the kernels' times summed, against the step's wall time. Kernels in XLA's command
             # buffers can overlap, so the difference is not the time between kernels (BENCHMARKS.md).
             busy_us = sum(us for _, us in kernel_times.values())
@@ -355,7 +372,8 @@ class Bench:
         """The engine end to end: transfers per round counted, no implicit transfer allowed."""
         from eagle3_jax import engine as engine_lib
 
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels)
+        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels,
+                        rounds_per_call=self.rounds_per_call)
         fetches = []
         real_fetch = engine_lib._fetch
         engine_lib._fetch = lambda x: fetches.append(x.shape) or real_fetch(x)
@@ -373,7 +391,9 @@ class Bench:
         self.results["engine"] = {
             "gamma": gamma, "kernels": kernels, "tokens": len(result.token_ids), "rounds": rounds,
             "tokens_per_s": len(result.token_ids) / seconds, "tau": len(result.token_ids[1:]) / max(rounds, 1),
-            "device_to_host_transfers": len(fetches), "transfers_per_round": len(fetches) / (rounds + 1),
+            "rounds_per_call": engine.rounds_per_call, "device_to_host_transfers": len(fetches),
+            # prefill, then each call of rounds_per_call rounds
+            "transfers_per_call": len(fetches) / (1 + -(-rounds // engine.rounds_per_call)),
             "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
             "round_compilations": engine._round._cache_size(),
         }
@@ -513,7 +533,8 @@ def summary(results: dict) -> str:
                              f"spec-off {r.get('spec_off_tokens_per_s', float('nan')):.0f}")
     if "engine" in results:
         e = results["engine"]
-        lines.append(f"engine: {e['transfers_per_round']:.2f} device-to-host transfers per round, "
+        lines.append(f"engine: {e['transfers_per_call']:.2f} device-to-host transfers per call of "
+                     f"{e['rounds_per_call']} rounds, "
                      f"{e['round_compilations']} round compilation(s), "
                      f"{e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
     for name, rows in results.get("agreement", {}).items():
@@ -556,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     parser.add_argument("--agreement-only", action="store_true",
                         help="only the output agreement check (speculative vs spec-off, Pallas vs XLA), 96 tokens")
+    parser.add_argument("--rounds-per-call", type=int, default=4,
+                        help="rounds per device call, as the engine runs them (see eagle3_jax.Engine)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     args = parser.parse_args(argv)
@@ -566,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
-    bench = Bench(plan, kernels, args.budget_s, dtype, out)
+    bench = Bench(plan, kernels, args.budget_s, dtype, out, rounds_per_call=args.rounds_per_call)
     bench.with_peer = not args.no_peer
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
                                                      "drafter": dataclasses.asdict(plan.drafter)})
@@ -588,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(results))
     for v in results.get("variants", []):
         parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernel_count']} kernels)"
-                          for k in ("step", "forward_no_head", "matmuls_only"))
+                          for k in ("step", "step_one_round_per_call", "forward_no_head", "matmuls_only"))
         print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: "
               f"floor {v['floor_ms']:.3f} ms; {parts}")
         step = v["step"]

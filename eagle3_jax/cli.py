@@ -41,7 +41,7 @@ def _generate(args) -> int:
         prompt = args.prompt_ids
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
-                               kernels=args.kernels)
+                               kernels=args.kernels, rounds_per_call=args.rounds_per_call)
     has_eos = tokenizer is not None and tokenizer.eos_token_id is not None
     stops = args.stop_ids or ([tokenizer.eos_token_id] if has_eos else [])
     engine.generate([prompt], max_new_tokens=2)  # compile prefill and the round outside the timing
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     gen.add_argument("--kernels", choices=KERNEL_CHOICES,
                      help="hot-op implementation (eagle3_jax/kernels.py; default: pallas on a GPU, xla elsewhere)")
+    gen.add_argument("--rounds-per-call", type=int, default=4,
+                     help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     gen.set_defaults(func=_generate)
     conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")
     conv.add_argument("src")

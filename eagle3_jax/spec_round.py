@@ -1,4 +1,5 @@
-"""Prefill and the speculative round: pure functions over a `DecodeState`, each one jit.
+"""Prefill and the speculative round: pure functions over a `DecodeState`; the engine jits prefill and a
+scan of rounds.
 
 Invariants, per row b:
   * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
@@ -164,3 +165,11 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
             draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
         )
     return new_state, _pack(choices, drafts, num_emit, jnp.where(live, accepted, 0), done)
+
+
+def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
+    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]).
+    A call costs about 0.2 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
+    once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, fourth session).
+    Rounds after a row is done leave it unchanged, as a single round does."""
+    return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)

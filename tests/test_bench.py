@@ -21,7 +21,8 @@ def test_bench_smoke(tmp_path):
         assert set(r["parts_ms"]) == {"verify", "chain", "rebuild"} and "overhead" in r
         assert list(r["projected_tokens_per_s"]) == [str(t) for t in range(1, r["gamma"] + 2)]
     engine = results["engine"]
-    assert engine["transfers_per_round"] == 1.0 and engine["round_compilations"] == 1
+    assert engine["transfers_per_call"] == 1.0 and engine["round_compilations"] == 1
+    assert engine["rounds_per_call"] == 4 and all(r["rounds_per_call"] == 4 for r in results["decode"])
     assert results["peer"]["tokens_per_s"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
 

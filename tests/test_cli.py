@@ -31,7 +31,7 @@ def folders(tmp_path_factory):
 def test_generate_with_prompt_ids(folders, capsys):
     code = main(["generate", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
                  "--prompt-ids", "3,17,5", "--max-new-tokens", "9", "--num-draft-tokens", "2",
-                 "--dtype", "float32", "--max-len", "64"])
+                 "--dtype", "float32", "--max-len", "64", "--rounds-per-call", "3"])
     out = capsys.readouterr().out
     target = eagle3_jax.load_target(folders / "target", dtype="float32")
     (expected,) = eagle3_jax.Engine(target, max_len=64).generate([[3, 17, 5]], 9, stop_token_ids=[47])
@@ -53,6 +53,9 @@ def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert "config.json: file not found" in capsys.readouterr().err
     assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1,999", "--dtype", "float32"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1", "--dtype", "float32",
+                 "--rounds-per-call", "0"]) == 2
+    assert "rounds_per_call must be a positive int, got 0" in capsys.readouterr().err
     # head_dim 24: the Pallas kernels cannot take it, and --kernels pallas says so.
     assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1", "--dtype", "float32",
                  "--kernels", "pallas"]) == 2
@@ -79,7 +82,7 @@ def test_bench_subcommand(tmp_path):
 
     assert main(["bench", "--variants-only", "--kernels", "xla", "--out", str(tmp_path)]) == 0
     variants = json.loads((tmp_path / "bench.json").read_text())["variants"]
-    assert {"step", "forward_no_head", "matmuls_only"} <= set(variants[0])
+    assert {"step", "step_one_round_per_call", "forward_no_head", "matmuls_only"} <= set(variants[0])
     assert main(["bench", "--agreement-only", "--kernels", "xla", "--out", str(tmp_path / "a")]) == 0
     agreement = json.loads((tmp_path / "a" / "bench.json").read_text())["agreement"]
     assert [row["tokens"] for row in agreement["xla: gamma_3 vs spec_off"]] == [96, 96]

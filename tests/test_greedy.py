@@ -81,9 +81,9 @@ def test_bad_requests_raise_before_device_work(model_and_target, monkeypatch, pr
         engine.stream(prompts, **{"max_new_tokens": 4, **kwargs})  # at the call, not at the first chunk
 
 
-def test_step_compiles_once_and_transfers_once_per_round(model_and_target, monkeypatch):
+def test_step_compiles_once_and_transfers_once_per_call(model_and_target, monkeypatch):
     _, tgt = model_and_target
-    engine = eagle3_jax.Engine(tgt, max_len=128)
+    engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call
     fetches = []
     real_fetch = engine_lib._fetch
     monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real_fetch(x))
@@ -92,8 +92,8 @@ def test_step_compiles_once_and_transfers_once_per_round(model_and_target, monke
         second = engine.generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
     assert engine._round._cache_size() == 1
     assert engine._prefill._cache_size() == 2  # one per prompt-length bucket (16 and 32)
-    # prefill + one fetch per round; 12 tokens = prefill + 11 rounds, each call
-    assert len(fetches) == 2 * 12 and all(len(s) == 2 for s in fetches)
+    # prefill, then one fetch per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls, each generate
+    assert fetches == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)] * 2
     assert [len(r.token_ids) for r in first + second] == [12] * 6
 
 
@@ -103,3 +103,6 @@ def test_engine_refuses_bad_settings(model_and_target):
         eagle3_jax.Engine(tgt, max_len=10_000)
     with pytest.raises(ValueError, match="kernels"):
         eagle3_jax.Engine(tgt, max_len=64, kernels="cuda")
+    for bad in (0, 2.0, None):
+        with pytest.raises(ValueError, match=f"rounds_per_call must be a positive int, got {bad}"):
+            eagle3_jax.Engine(tgt, max_len=64, rounds_per_call=bad)

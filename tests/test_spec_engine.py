@@ -1,5 +1,5 @@
 """The speculative engine: lossless against plain greedy decoding, acceptance as predicted, the
-cache edge, stops inside accepted spans, one transfer per round, abandoned streams."""
+cache edge, stops inside accepted spans, one transfer per call of rounds, abandoned streams."""
 
 import jax
 import numpy as np
@@ -150,7 +150,7 @@ def test_round_updates_caches_in_place(world):
     assert not any(x.is_deleted() for x in new_state.target_cache.k)
 
 
-def test_one_transfer_per_round_and_no_recompile(world, monkeypatch):
+def test_one_transfer_per_call_and_no_recompile(world, monkeypatch):
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     fetches = []
@@ -161,7 +161,27 @@ def test_one_transfer_per_round_and_no_recompile(world, monkeypatch):
         engine.generate([[5, 6], [1], [2, 3, 4]], 16)
     rounds = max(len(r.accept_lengths) for r in results)
     assert engine._round._cache_size() == 1
-    assert fetches[: rounds + 1] == [(3, 2 * 3 + 4)] * (rounds + 1)  # prefill, then one [B, 2 gamma + 4] per round
+    calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 4] per call
+    assert fetches[: calls + 1] == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+
+
+@pytest.mark.parametrize("rounds_per_call", [1, 2, 5])
+def test_rounds_per_call_changes_nothing(world, rounds_per_call):
+    """Calls of several rounds (a scan on the device) give what one round per call gives: tokens, finish
+    reasons, accept lengths and traces, with rows that stop, run out of room or of tokens mid-call."""
+    target, drafter = world["t:random"][1], world["d:random"][2]
+    prompts = PROMPTS + [[i % worlds.V for i in range(59)]]  # this one reaches max_len = 64 within a few rounds
+    (full,) = spec_off(target, [PROMPTS[0]], 20)
+    kwargs = dict(max_new_tokens=15, stop_token_ids=[full.token_ids[6]], trace=True)
+
+    engines = {k: eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, rounds_per_call=k)
+               for k in (rounds_per_call, 4)}
+    got, default = (engines[k].generate(prompts, **kwargs) for k in (rounds_per_call, 4))
+    assert got == default
+    assert [r.finish_reason for r in default] == ["stop", "length", "length", "length"]
+    # Streams yield the same chunks: none for the rounds of a call after every row is done.
+    chunks = [list(engines[k].stream(prompts, 15, kwargs["stop_token_ids"])) for k in (rounds_per_call, 4)]
+    assert chunks[0] == chunks[1] and all(any(chunk) for chunk in chunks[1])
 
 
 def test_abandoned_stream_leaves_engine_usable(world):
