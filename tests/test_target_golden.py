@@ -62,6 +62,20 @@ def test_prefill_decode_and_features_match_transformers(case):
         assert rel_err(feats[i, :P], ref_feats) < 1e-4, name
 
 
+def test_batch_one_decode_matches_transformers(case):
+    """One sequence, one token a step: the matmuls take `linear`'s row-reduction path (one row)."""
+    name, model, tgt = case
+    cfg, prompt, steps = tgt.config, PROMPTS[0], STEPS[0]
+    cache = target_lib.new_cache(cfg, 1, 16, jnp.float32)
+    _, cache, _ = target_lib.forward(tgt.params, cfg, jnp.asarray([prompt]), cache)
+    cache = cache.with_lengths(cache.lengths + len(prompt))
+    ref_logits, _ = hf_reference(model, prompt + steps)
+    for s, token in enumerate(steps):
+        h, cache, _ = target_lib.forward(tgt.params, cfg, jnp.asarray([[token]]), cache)
+        cache = cache.with_lengths(cache.lengths + 1)
+        assert rel_err(target_lib.logits(tgt.params, h)[0, 0], ref_logits[len(prompt) + s]) < 1e-4, (name, s)
+
+
 def test_capture_is_the_residual_stream_entering_each_layer(case):
     """Distinct layers give distinct features: an off-by-one in the capture index would be caught above,
     and this checks the comparison is not vacuous (neighbouring hidden states really differ)."""
