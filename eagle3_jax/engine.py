@@ -111,7 +111,7 @@ class Engine:
         traces = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
         stops = set(stop_token_ids)
-        for out, live in self._rounds(self._prepare(prompts, max_new_tokens, stop_token_ids)):
+        for out, live in self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids)):
             for i, new in enumerate(out.tokens):
                 tokens[i].extend(new)
                 if live[i]:
@@ -127,29 +127,41 @@ class Engine:
                stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
         """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point. A bad
         request raises here, before the first chunk is asked for."""
-        rounds = self._rounds(self._prepare(prompts, max_new_tokens, stop_token_ids))
+        rounds = self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids))
         return (out.tokens for out, _ in rounds)
 
-    def _rounds(self, batch):
-        """Yields (round output, which rows were live in a speculative round) for prefill and each round."""
-        state, packed = self._prefill(self.target.params, self._draft_params, *batch)
+    def _rounds(self, inputs, budget: np.ndarray):
+        """Yields (round output, which rows were live in a speculative round) for prefill and each round.
+        budget: the most tokens each row can emit (max_new_tokens, or the room left below max_len)."""
+        state, packed = self._prefill(self.target.params, self._draft_params, *inputs)
         out = _RoundOutput.unpack(_fetch(packed))
         yield out, [False] * len(out.tokens)
+        left = budget - np.array([len(t) for t in out.tokens])
         pending = self._round(self.target.params, self._draft_params, state) if not out.done.all() else None
         while pending is not None:
             state, packed = pending
-            # Dispatch the next call before waiting for this one's tokens.
-            following = self._round(self.target.params, self._draft_params, state)
+            # Dispatch the next call before waiting for this one's tokens, unless this call ends every row:
+            # each round emits at least one token per live row, so rows with at most rounds_per_call left will
+            # be done (a row that stops early only ends sooner).
+            following = None
+            if np.any((left > self.rounds_per_call) & ~out.done):
+                following = self._round(self.target.params, self._draft_params, state)
             for round_packed in _fetch(packed):
                 speculative_rows = ~out.done & (self.drafter is not None)
                 out = _RoundOutput.unpack(round_packed)
+                left -= np.array([len(t) for t in out.tokens])
                 yield out, speculative_rows
                 if out.done.all():
                     break
-            pending = following if not out.done.all() else None
+            if out.done.all():
+                pending = None
+            else:  # following is None only if the budget reasoning above is wrong: dispatch now, lose nothing
+                pending = following if following is not None else self._round(
+                    self.target.params, self._draft_params, state)
 
     def _prepare(self, prompts, max_new_tokens, stop_token_ids):
-        """Checks the request on the host and builds the device inputs; raises ValueError before any device work."""
+        """Checks the request on the host and builds the device inputs; raises ValueError before any device work.
+        Returns the inputs and the most tokens each row can emit."""
         vocab = self.target.config.vocab_size
         if isinstance(prompts, (str, bytes)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -178,4 +190,5 @@ class Engine:
         stops = np.full((B, slots), -1, np.int32)
         stops[:, : len(stop_token_ids)] = list(stop_token_ids)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        return jax.device_put((tokens, lengths, np.full((B,), max_new_tokens, np.int32), stops))
+        inputs = jax.device_put((tokens, lengths, np.full((B,), max_new_tokens, np.int32), stops))
+        return inputs, np.minimum(max_new_tokens, self.max_len - lengths)

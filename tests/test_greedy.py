@@ -84,17 +84,30 @@ def test_bad_requests_raise_before_device_work(model_and_target, monkeypatch, pr
 def test_step_compiles_once_and_transfers_once_per_call(model_and_target, monkeypatch):
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call
-    fetches = []
-    real_fetch = engine_lib._fetch
+    fetches, calls = [], []
+    real_fetch, real_round = engine_lib._fetch, engine._round
     monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real_fetch(x))
+    engine._round = lambda *args: calls.append(1) or real_round(*args)
     with jax.transfer_guard("disallow"):  # any implicit transfer raises
         first = engine.generate(PROMPTS, max_new_tokens=12)
         second = engine.generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
-    assert engine._round._cache_size() == 1
+    assert real_round._cache_size() == 1
+    # The third call leaves at most 4 tokens per row: it ends every row, so no fourth call is dispatched.
+    assert len(calls) == 2 * 3
     assert engine._prefill._cache_size() == 2  # one per prompt-length bucket (16 and 32)
     # prefill, then one fetch per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls, each generate
     assert fetches == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)] * 2
     assert [len(r.token_ids) for r in first + second] == [12] * 6
+
+
+def test_wrong_budget_reasoning_costs_time_not_tokens(model_and_target):
+    """If the host wrongly expects a call to end every row (here: it believes calls run 100 rounds, they run
+    4), it skips the early dispatch of the next call and dispatches it once the tokens show otherwise."""
+    _, tgt = model_and_target
+    engine = eagle3_jax.Engine(tgt, max_len=128)
+    expected = engine.generate(PROMPTS, max_new_tokens=12)
+    engine.rounds_per_call = 100
+    assert engine.generate(PROMPTS, max_new_tokens=12) == expected
 
 
 def test_engine_refuses_bad_settings(model_and_target):

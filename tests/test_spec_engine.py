@@ -143,8 +143,8 @@ def test_round_updates_caches_in_place(world):
     """The round donates its state: the caches it was given are consumed, not copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    batch = engine._prepare(PROMPTS, 8, ())
-    state, _ = engine._prefill(target.params, drafter.params, *batch)
+    inputs, _ = engine._prepare(PROMPTS, 8, ())
+    state, _ = engine._prefill(target.params, drafter.params, *inputs)
     new_state, _ = engine._round(target.params, drafter.params, state)
     assert all(x.is_deleted() for x in state.target_cache.k + state.target_cache.v + state.draft_cache.k)
     assert not any(x.is_deleted() for x in new_state.target_cache.k)
