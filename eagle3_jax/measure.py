@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax import drafter as drafter_lib
+from eagle3_jax import layers
 from eagle3_jax import target as target_lib
 from eagle3_jax.kv_cache import KVCache
 
@@ -205,15 +206,15 @@ def forward_only(params, tokens, cache, *, cfg, kernels):
 
 
 def matmuls_only(params, x, state, *, cfg):
-    """Only the step's weight reads: each layer's four matmuls and the lm_head, chained so none is
-    dropped, with no norm, RoPE, attention or cache write. The bound a step built from these GEMMs
-    can reach."""
+    """Only the step's weight reads: each layer's four matmuls (`layers.linear`, as the step runs them)
+    and the lm_head, chained so none is dropped, with no norm, RoPE, attention or cache write. The bound
+    a step built from these matmuls can reach."""
     N, H, I = cfg.num_heads, cfg.head_dim, cfg.intermediate_size
     for layer in params["layers"]:
-        qkv = jnp.einsum("bd,od->bo", x, layer["wqkv"])
-        x = jnp.einsum("bd,od->bo", qkv[:, : N * H], layer["wo"])
-        gate_up = jnp.einsum("bd,od->bo", x, layer["w_gate_up"])
-        x = jnp.einsum("bi,oi->bo", gate_up[:, :I], layer["w_down"])
+        qkv = layers.linear(x, layer["wqkv"])
+        x = layers.linear(qkv[:, : N * H], layer["wo"])
+        gate_up = layers.linear(x, layer["w_gate_up"])
+        x = layers.linear(gate_up[:, :I], layer["w_down"])
     return state + 1, target_lib.logits(params, x).argmax(-1)
 
 
