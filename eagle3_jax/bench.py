@@ -4,13 +4,14 @@ One process, random bf16 weights at real shapes built on the device (no download
 ceilings (device-to-device copy bandwidth, bf16 matmul rate), then every step the engine runs, each
 against its floor (bytes it must read: weights + live KV, over the copy bandwidth measured here):
 the spec-off decode step, the verify step, one draft step, the drafter rebuild, the draft chain and
-whole speculative rounds, plus compile times, transfers per round and the peer a user would run
+whole speculative rounds, plus compile times, transfers per call and the peer a user would run
 instead (transformers `generate`, eager). On the CPU it runs the same code at tiny shapes (a smoke
 test). Prints a table, writes bench.json and bench.png under --out.
 
 Timing (METHOD.md): warm-up, then the median over `reps` of `inner` back-to-back calls each,
 synchronised with block_until_ready; random data, never zeros; functions are compiled ahead of the
-timed region (`lower().compile()`), so nothing can recompile inside it.
+timed region (`lower().compile()`), so nothing can recompile inside it. Spec-off steps and whole rounds
+are timed as the engine runs them, `--rounds-per-call` rounds to a call, and reported per round.
 """
 
 from __future__ import annotations
@@ -369,7 +370,7 @@ class Bench:
         return float(top[0] - top[1])
 
     def engine_generate(self, gamma: int, kernels: str, new_tokens: int) -> None:
-        """The engine end to end: transfers per round counted, no implicit transfer allowed."""
+        """The engine end to end: transfers per call of rounds counted, no implicit transfer allowed."""
         from eagle3_jax import engine as engine_lib
 
         engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels,
