@@ -47,19 +47,30 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-# A matmul with one row (batch 1, one token) and a weight at least as tall as it is wide is written as a
-# row reduction over the weight: XLA emits one reduction kernel that streams the weight once, where it
-# would emit a split-K GEMM plus a reduce kernel. Measured on the H200 at Qwen3-8B shapes (BENCHMARKS.md,
-# fourth session): faster for q/k/v, o and gate/up; slower for down (4096 x 12288), hence the shape test;
-# far slower from 4 rows on (each row re-reads the weight), hence one row only.
-
-
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] times a weight stored as transformers stores it, [out, in]; float32 accumulation."""
+    """x [..., in] times a weight stored as transformers stores it, [out, in].
+
+    On CUDA GPUs a matmul with one row (batch 1, one token) and a weight at least as tall as it is wide
+    is a row reduction over the weight, which XLA emits as one kernel streaming the weight once, where
+    it would emit a split-K GEMM and a reduce kernel. Measured on the H200 at Qwen3-8B shapes
+    (BENCHMARKS.md, fourth session): faster for q/k/v, o and gate/up; slower for down (4096 x 12288),
+    hence the shape test; far slower from 4 rows on (each row re-reads the weight), hence one row.
+    Elsewhere XLA's dot: on the CPU the reduction form is many times slower (100x for 4096 x 4096 in f32).
+    """
     if math.prod(x.shape[:-1]) == 1 and w.shape[0] >= w.shape[1]:
-        products = x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32)
-        return products.sum(axis=-1).astype(x.dtype)
+        return jax.lax.platform_dependent(x, w, cuda=matvec_by_rows, default=_matmul)
+    return _matmul(x, w)
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w)
+
+
+def matvec_by_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`linear` as a reduction: float32 products summed along each weight row, in einsum's output dtype.
+    The products are exact float32, where XLA's GPU dot of float32 inputs uses TF32 by default."""
+    products = x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32)
+    return products.sum(axis=-1).astype(jnp.result_type(x, w))
 
 
 def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -63,7 +63,8 @@ def test_prefill_decode_and_features_match_transformers(case):
 
 
 def test_batch_one_decode_matches_transformers(case):
-    """One sequence, one token a step: the matmuls take `linear`'s row-reduction path (one row)."""
+    """One sequence, one token a step: the shapes for which `linear` takes its reduction form on CUDA
+    (tests/test_layers.py checks that form; here, on the CPU, XLA's dot)."""
     name, model, tgt = case
     cfg, prompt, steps = tgt.config, PROMPTS[0], STEPS[0]
     cache = target_lib.new_cache(cfg, 1, 16, jnp.float32)
