@@ -1,6 +1,7 @@
 """Spec-off greedy decoding against transformers' generate(do_sample=False), token for token."""
 
 import jax
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,7 @@ def test_prompt_filling_max_len_gives_nothing(model_and_target):
         ([], {}, "non-empty list"),
         ([1, 2, 3], {}, "prompt 0 must be a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([[1]], {"max_new_tokens": True}, "max_new_tokens must be a positive int, got True"),
         ([[1]], {"stop_token_ids": [999]}, "stop token id 999"),
     ],
 )
@@ -100,14 +102,27 @@ def test_step_compiles_once_and_transfers_once_per_call(model_and_target, monkey
     assert [len(r.token_ids) for r in first + second] == [12] * 6
 
 
-def test_wrong_budget_reasoning_costs_time_not_tokens(model_and_target):
-    """If the host wrongly expects a call to end every row (here: it believes calls run 100 rounds, they run
-    4), it skips the early dispatch of the next call and dispatches it once the tokens show otherwise."""
+def test_next_call_dispatched_early_only_when_needed(model_and_target, monkeypatch):
+    """While some row surely needs another call, it is dispatched before this call's tokens are fetched
+    (the device never waits on the host); near the end it is dispatched only if the tokens say so."""
     _, tgt = model_and_target
-    engine = eagle3_jax.Engine(tgt, max_len=128)
-    expected = engine.generate(PROMPTS, max_new_tokens=12)
-    engine.rounds_per_call = 100
-    assert engine.generate(PROMPTS, max_new_tokens=12) == expected
+    engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call, 1 token per round
+    events = []
+    real_fetch, real_round = engine_lib._fetch, engine._round
+    monkeypatch.setattr(engine_lib, "_fetch", lambda x: events.append("fetch") or real_fetch(x))
+    engine._round = lambda *args: events.append("call") or real_round(*args)
+    for max_new, expected in [
+        # 12 tokens: prefill + 11 rounds; 7 tokens are left when call 2 is fetched: call 3 went early.
+        (12, ["fetch", "call", "call", "fetch", "call", "fetch", "fetch"]),
+        # 6 tokens: prefill + 5 rounds; 5 left when call 1 is fetched, which can emit 4: call 2 is
+        # dispatched once call 1's tokens show rows still running.
+        (6, ["fetch", "call", "call", "fetch", "fetch"]),
+        (2, ["fetch", "call", "fetch"]),
+    ]:
+        events.clear()
+        results = engine.generate(PROMPTS, max_new_tokens=max_new)
+        assert [len(r.token_ids) for r in results] == [max_new] * 3
+        assert events == expected, max_new
 
 
 def test_engine_refuses_bad_settings(model_and_target):
@@ -116,6 +131,15 @@ def test_engine_refuses_bad_settings(model_and_target):
         eagle3_jax.Engine(tgt, max_len=10_000)
     with pytest.raises(ValueError, match="kernels"):
         eagle3_jax.Engine(tgt, max_len=64, kernels="cuda")
-    for bad in (0, 2.0, None):
+    for bad in (0, 2.0, None, True):
         with pytest.raises(ValueError, match=f"rounds_per_call must be a positive int, got {bad}"):
             eagle3_jax.Engine(tgt, max_len=64, rounds_per_call=bad)
+
+
+def test_huge_max_new_tokens_is_bounded_by_max_len(model_and_target):
+    _, tgt = model_and_target
+    engine = eagle3_jax.Engine(tgt, max_len=24)
+    for huge in (2**31, np.int64(2**32 + 5), 10**30):
+        results = engine.generate(PROMPTS, max_new_tokens=huge)
+        assert [len(p) + len(r.token_ids) for p, r in zip(PROMPTS, results)] == [24] * 3
+        assert all(r.finish_reason == "length" for r in results)

@@ -158,11 +158,26 @@ def test_one_transfer_per_call_and_no_recompile(world, monkeypatch):
     monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real(x))
     with jax.transfer_guard("disallow"):
         results = engine.generate(PROMPTS, 16)
+        rounds = max(len(r.accept_lengths) for r in results)
+        calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 4] per call
+        assert fetches == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
         engine.generate([[5, 6], [1], [2, 3, 4]], 16)
-    rounds = max(len(r.accept_lengths) for r in results)
     assert engine._round._cache_size() == 1
-    calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 4] per call
-    assert fetches[: calls + 1] == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+
+
+def test_no_call_runs_in_vain_at_the_end(world, monkeypatch):
+    """With 2 tokens a round (pi2: d_1 accepted), a call of 4 rounds emits 8 tokens while the host must
+    allow for 16: the early dispatch stops while a call could end every row, and each call dispatched is
+    needed. The fourth call is dispatched only once the third's tokens are fetched."""
+    target, drafter = world["t:permutation"][1], world["d:pi2"][2]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
+    events = []
+    real_fetch, real_round = engine_lib._fetch, engine._round
+    monkeypatch.setattr(engine_lib, "_fetch", lambda x: events.append("fetch") or real_fetch(x))
+    engine._round = lambda *args: events.append("call") or real_round(*args)
+    (result,) = engine.generate([PROMPTS[0]], 30)
+    assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
+    assert events == ["fetch", "call", "call", "fetch", "call", "fetch", "fetch", "call", "fetch"]
 
 
 @pytest.mark.parametrize("rounds_per_call", [1, 2, 5])
