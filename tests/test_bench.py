@@ -3,6 +3,8 @@ not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
 
 import json
 
+import pytest
+
 from eagle3_jax import bench, measure
 
 
@@ -19,12 +21,19 @@ def test_bench_smoke(tmp_path):
     assert {r["tokens"] for r in results["verify"]} == {2, 4}
     for r in results["round"]:
         assert set(r["parts_ms"]) == {"verify", "chain", "rebuild"} and "overhead" in r
+        assert r["time_ms_one_round_per_call"] > 0
         assert list(r["projected_tokens_per_s"]) == [str(t) for t in range(1, r["gamma"] + 2)]
     engine = results["engine"]
     assert engine["transfers_per_call"] == 1.0 and engine["round_compilations"] == 1
     assert engine["rounds_per_call"] == 4 and all(r["rounds_per_call"] == 4 for r in results["decode"])
     assert results["peer"]["tokens_per_s"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_bench_refuses_bad_rounds_per_call(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--tiny", "--rounds-per-call", "0"])
+    assert exit_info.value.code == 2 and "--rounds-per-call must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_time_parts_of_loaded_models(tmp_path):
