@@ -1,8 +1,9 @@
 """The host side: validate requests, prefill, then one jitted call of `rounds_per_call` rounds after another.
 
-Each call's outputs come back in one small device-to-host transfer (`_fetch`), and the next call is
-dispatched before that transfer is waited on, so the device never idles on the host. Stop checks run on
-the device; rounds run after every row is done change nothing and are dropped.
+Each call's outputs come back in one small device-to-host transfer (`_fetch`). While some row surely
+needs another call, it is dispatched before that transfer is waited on, so the device does not idle on
+the host; near the end it is dispatched only if the tokens say so. Stop checks run on the device; rounds
+run after every row is done change nothing and are dropped.
 """
 
 from __future__ import annotations
