@@ -78,13 +78,14 @@ class Engine:
                 f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
+        # More rounds than max_len can never emit a token: every round emits one per live row.
         if isinstance(rounds_per_call, bool) or not isinstance(rounds_per_call, (int, np.integer)) \
-                or rounds_per_call < 1:
-            raise ValueError(f"rounds_per_call must be a positive int, got {rounds_per_call!r}")
+                or not 1 <= rounds_per_call <= max_len:
+            raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         self.target, self.drafter, self.max_len = target, drafter, max_len
-        self.rounds_per_call = int(rounds_per_call)
+        self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         self._spec = spec_round.StepSpec(
             target=cfg,
@@ -95,9 +96,14 @@ class Engine:
         )
         self._prefill = jax.jit(functools.partial(spec_round.prefill, spec=self._spec))
         self._round = jax.jit(
-            functools.partial(spec_round.spec_rounds, spec=self._spec, num_rounds=self.rounds_per_call),
+            functools.partial(spec_round.spec_rounds, spec=self._spec, num_rounds=self._rounds_per_call),
             donate_argnums=(2,),
         )
+
+    @property
+    def rounds_per_call(self) -> int:
+        """Rounds per device call, fixed at construction: the jitted scan is built for it."""
+        return self._rounds_per_call
 
     @property
     def _draft_params(self):

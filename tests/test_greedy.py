@@ -131,9 +131,12 @@ def test_engine_refuses_bad_settings(model_and_target):
         eagle3_jax.Engine(tgt, max_len=10_000)
     with pytest.raises(ValueError, match="kernels"):
         eagle3_jax.Engine(tgt, max_len=64, kernels="cuda")
-    for bad in (0, 2.0, None, True):
-        with pytest.raises(ValueError, match=f"rounds_per_call must be a positive int, got {bad}"):
+    for bad in (0, 65, 2.0, None, True):
+        with pytest.raises(ValueError, match=rf"rounds_per_call must be an int in \[1, max_len=64\], got {bad}"):
             eagle3_jax.Engine(tgt, max_len=64, rounds_per_call=bad)
+    engine = eagle3_jax.Engine(tgt, max_len=64, rounds_per_call=64)
+    with pytest.raises(AttributeError):
+        engine.rounds_per_call = 2  # the compiled scan is built for 64
 
 
 def test_huge_max_new_tokens_is_bounded_by_max_len(model_and_target):
