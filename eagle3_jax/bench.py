@@ -36,7 +36,7 @@ from eagle3_jax.checkpoint import Target
 from eagle3_jax.config import Qwen3Config, RopeConfig
 from eagle3_jax.drafter import DrafterConfig
 from eagle3_jax.drafter_checkpoint import Drafter
-from eagle3_jax.engine import Engine
+from eagle3_jax.engine import ROUNDS_PER_CALL, Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,8 @@ def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype,
 
 class Bench:
     def __init__(self, plan: Plan, kernels: tuple[str, ...], budget_s: float, dtype, out: Path | None,
-                 target: Target | None = None, drafter: Drafter | None = None, rounds_per_call: int = 4):
+                 target: Target | None = None, drafter: Drafter | None = None,
+                 rounds_per_call: int = ROUNDS_PER_CALL):
         """Random weights at the plan's shapes, unless a loaded target and drafter are given. Decode steps
         and rounds are timed as the engine runs them, rounds_per_call to a device call."""
         self.plan, self.kernels, self.dtype, self.out = plan, kernels, dtype, out
@@ -178,11 +179,7 @@ class Bench:
         bytes read per round, and with profile=True the GPU time of each kernel per round, else None)."""
         t = self.plan.target
         rounds = self.rounds_per_call if rounds_per_call is None else rounds_per_call
-        engine = Engine(self.target, None, max_len=length + 64, kernels=kernels, rounds_per_call=rounds)
-        state = decode_state(self.plan, batch, length, length + 64, self.dtype, with_drafter=False)
-        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, None, state)
-        seconds, state = self.time(lambda s: compiled(self.tparams, None, s), state, ())
-        seconds /= rounds
+        call, compiled, compile_s, seconds, state = self._engine_call(batch, length, length + 64, kernels, rounds)
         read = (measure.target_weight_bytes(self.tparams)
                 + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length))
         kernel_times = None
@@ -190,7 +187,7 @@ class Bench:
             holder = [state]
 
             def run():
-                holder[0], out = compiled(self.tparams, None, holder[0])
+                holder[0], out = call(holder[0])
                 return out
 
             kernel_times = {name: [n / rounds, us / rounds]
@@ -279,15 +276,28 @@ class Bench:
             entry["spec_off_tokens_per_s"] = spec_off[0]["tokens_per_s"]
 
     def _time_round(self, batch: int, gamma: int, kernels: str, rounds_per_call: int) -> tuple[float, float]:
-        """(seconds per round, compile seconds) of the engine's call of rounds_per_call rounds."""
+        """(seconds per round, compile seconds) of the engine's call of rounds_per_call speculative rounds."""
         L = self.plan.spec_kv_length
         capacity = min(L + 512, self.plan.target.max_position_embeddings)
-        engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels,
+        _, _, compile_s, seconds, _ = self._engine_call(batch, L, capacity, kernels, rounds_per_call, gamma)
+        return seconds, compile_s
+
+    def _engine_call(self, batch: int, length: int, capacity: int, kernels: str, rounds_per_call: int,
+                     gamma: int = 0):
+        """Compiles and times the engine's call of rounds_per_call rounds (spec-off when gamma is 0) from a
+        random state at `length`: (the call on a state, executable, compile seconds, seconds per round,
+        the state it leaves)."""
+        drafter, dparams = (self.drafter, self.dparams) if gamma else (None, None)
+        engine = Engine(self.target, drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels,
                         rounds_per_call=rounds_per_call)
-        state = decode_state(self.plan, batch, L, capacity, self.dtype, with_drafter=True)
-        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, self.dparams, state)
-        seconds, _ = self.time(lambda s: compiled(self.tparams, self.dparams, s), state, ())
-        return seconds / rounds_per_call, compile_s
+        state = decode_state(self.plan, batch, length, capacity, self.dtype, with_drafter=drafter is not None)
+        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, dparams, state)
+
+        def call(s):
+            return compiled(self.tparams, dparams, s)
+
+        seconds, state = self.time(call, state, ())
+        return call, compiled, compile_s, seconds / rounds_per_call, state
 
     def _parts(self, batch, gamma, kernels):
         wanted = {("verify", gamma + 1), ("chain", gamma), ("rebuild", gamma + 1)}
@@ -586,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     parser.add_argument("--agreement-only", action="store_true",
                         help="only the output agreement check (speculative vs spec-off, Pallas vs XLA), 96 tokens")
-    parser.add_argument("--rounds-per-call", type=int, default=4,
+    parser.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                         help="rounds per device call, as the engine runs them (see eagle3_jax.Engine)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")

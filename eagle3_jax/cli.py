@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_jax.engine import ROUNDS_PER_CALL
 from eagle3_jax.kernels import CHOICES as KERNEL_CHOICES
 
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     gen.add_argument("--kernels", choices=KERNEL_CHOICES,
                      help="hot-op implementation (eagle3_jax/kernels.py; default: pallas on a GPU, xla elsewhere)")
-    gen.add_argument("--rounds-per-call", type=int, default=4,
+    gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     gen.set_defaults(func=_generate)
     conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")

@@ -21,6 +21,7 @@ from eagle3_jax.checkpoint import Target
 
 _MIN_PREFILL_BUCKET = 16
 _STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
+ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Engine:
     output is token for token what plain greedy decoding of the target gives."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
-                 kernels: str | None = None, rounds_per_call: int = 4):
+                 kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL):
         """rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token."""
