@@ -3,67 +3,58 @@ small ops around it (each module's docstring says why it exists and what it meas
 
   attention_reference(q, k_cache, v_cache, start, *, scale)     plain jnp
   decode_attention(..., *, scale, interpret=False, **DecodeConfig fields)
-  prefill_attention(..., *, scale, interpret=False, **PrefillConfig fields)
+  prefill_attention(..., *, scale, interpret=False, **PrefillConfig fields)           Triton
+  prefill_attention_mgpu(..., *, scale, **MosaicPrefillConfig fields)                Mosaic GPU
   add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm
   rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
                    interpret=False)                             q/k norm + RoPE + KV-cache write
 
 Attention:
 q [B, T, N, H]; caches [B, K, S, H] already holding the T new tokens at
-start .. start + T - 1; start [B] int32. Both kernels read only keys below
-start + T (masked loads), clamp rows with start + T > S, and run one
-(prefill, or decode with one split) or two (decode with splits) kernel
-launches per call, with no XLA ops around them.
+start .. start + T - 1; start [B] int32. The kernels read keys below start + T
+(the Triton ones with masked loads; the Mosaic GPU one in whole TMA blocks, so
+it asks for finite slots past start + T), clamp rows with start + T > S, and
+run one or two kernel launches per call, with no XLA ops around them.
 
-Lowering: Pallas's Triton backend (pl.pallas_call with
-pltriton.CompilerParams), not Mosaic GPU. Why:
-- It works on both JAX versions the project meets: 0.10.2 (CPU, tests) and
-  0.11.2 (H200). In 0.11 it is deprecated (a "jax-pallas-triton"
+Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
+- Prefill: Mosaic GPU (TMA + wgmma, FlashAttention-3's warp-specialised
+  pipeline), prefill_attention_mgpu. At 8k tokens it runs at 515-517 TFLOP/s,
+  cuDNN's rate (509-521) and 1.4x the Triton kernel's (358-364); at 2k it also
+  beats the Triton kernel (fifth session). The model takes it wherever it runs:
+  compiled on a GPU, on bf16/f16 operands with head_dim 64 or 128 and sizes that
+  are multiples of 8 (eagle3_jax.attention.uses_mosaic_prefill). Elsewhere,
+  and in the CPU tests, the Triton prefill kernel runs.
+- Decode/verify and the small fused kernels: Pallas's Triton backend
+  (pl.pallas_call with pltriton.CompilerParams). Why:
+  - Decode is bandwidth-bound and the Triton kernel reads K/V at or above the
+    copy rate from batch 8 and 16k keys; faster than plain XLA at all 36
+    decode/verify shapes of the benchmark.
+  - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: the
+    third session's add_rms_norm in Mosaic GPU was slower (1.90 against 1.67 us
+    of kernel time; 0.655 against 0.502 ms for a jit of 72 calls).
+  - Masked loads with a dynamic trip count (scf.for, software-pipelined by
+    Triton's num_stages) give exactly "read keys < start + T, never garbage",
+    where the TMA moves fixed boxes; and wgmma wants 64-row tiles where decode
+    has T * G = 4..32 query rows.
+  - pallas_call(interpret=True) runs these kernels unchanged on the CPU through
+    the generic interpreter, so every mask, split and row mapping is tested
+    there (tests/test_pallas_attention.py).
+  The Triton backend works on both JAX versions the project meets: 0.10.2 (CPU,
+  tests) and 0.11.2 (H200). In 0.11 it is deprecated (a "jax-pallas-triton"
   DeprecationWarning at lowering) but present; passing Triton CompilerParams
-  selects it although jax_pallas_use_mosaic_gpu now defaults to True.
-- pallas_call(interpret=True) runs these kernels unchanged on the CPU through
-  the generic interpreter, so every mask, split and row mapping is tested
-  there (tests/test_pallas_attention.py); lowering to Triton IR can also be
-  checked on a CPU with .lower(lowering_platforms=("cuda",)).
-- Masked loads with a dynamic trip count (scf.for, software-pipelined by
-  Triton's num_stages) give exactly "read keys < start + T, never garbage".
-  In Mosaic GPU the TMA moves fixed boxes (a tail block would pull garbage,
-  possibly NaN, into shared memory and need extra masking) and wgmma wants
-  64-row tiles where decode has T * G = 4..32 query rows; that kernel could
-  not be written and validated within this task's three device runs.
-- It measured well enough (H200, bf16, Qwen3-8B heads, see BENCHMARKS.md):
-  decode/verify kernels read K/V at 4.3-4.6 TB/s (above a 4 GiB copy
-  kernel's 4.26) at B >= 8 and 16k+ keys and 3.3-3.6 TB/s at B = 1, 32k;
-  faster than plain XLA at all 36 decode/verify shapes; prefill 214 / 363
-  TFLOP/s at 2k / 8k (cuDNN 271 / 509).
-What the second session measured against this choice (BENCHMARKS.md):
-- Prefill: JAX's own Mosaic GPU flash attention (attention_mgpu, float16)
-  reaches 239 / 529 TFLOP/s at 2k / 8k against our Triton kernel's 200 / 369.
-  For prefill the Mosaic GPU lowering is the better one; ours is not written
-  yet (JAX's kernel takes float16 only, keys as [B, S, K, H] and no start > 0).
-- Decode: bandwidth-bound; our Triton kernel reads at or above the copy rate
-  from batch 8 and 16k keys, so a rewrite would not pay there.
-What the third session measured (BENCHMARKS.md):
-- Our Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in
-  jax 0.11.2 XLA builds them from the thunk sequence, where each call is a
-  plain kernel thunk. (The second session believed the opposite; withdrawn.)
-- add_rms_norm written for Mosaic GPU was slower than the Triton kernel (then
-  with 4 warps): 1.90 against 1.67 us of kernel time, and 0.655 against
-  0.502 ms for a jit of 72 calls; a Mosaic GPU call is an FFI custom call in
-  XLA, not a plain kernel. So the small fused kernels stay on Triton.
-What it found on the CPU (jax 0.10.2's Mosaic GPU interpreter; the probes are
-in commit 8d072de):
-- Mosaic GPU kernels can be checked there only through plgpu.kernel's named
-  grid axes (program_id is always 0 in an interpreted pallas_call grid) and
-  whole-array BlockSpecs.
-- A tensor-core attention step does not run there at all: pl.run_state is
-  unsupported, plgpu.transpose_ref fails ('TransposeTransform' object has no
-  attribute 'indices') and so does writing a tiled, swizzled SMEM ref (a
-  shape assertion). So a Mosaic GPU prefill kernel (the lowering JAX's own
-  kernel shows to be faster for prefill) would need its tiling and masking
-  tested another way; it is not written.
-When Triton is removed from Pallas, the kernels' structure (rows = tokens x
-group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
+  selects it although jax_pallas_use_mosaic_gpu now defaults to True. Our
+  Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in jax
+  0.11.2 XLA builds them from the thunk sequence, where each call is a plain
+  kernel thunk (third session).
+Testing the Mosaic GPU kernel: jax 0.10.2's Mosaic GPU interpreter cannot run a
+tensor-core attention step (pl.run_state, transposed and swizzled shared-memory
+refs are unsupported there; the probes are in commit 8d072de). So its tiling
+plan and mask are plain functions that the CPU tests walk against the
+reference's visibility, the tests lower the whole kernel for CUDA, and
+bench_attention.py's mosaic_check compares it with the reference on the GPU
+(prefill_attention_mgpu's docstring).
+When Triton is removed from Pallas, the decode kernel's structure (rows =
+tokens x group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
 
 from pallas_kernels.add_rms_norm import add_rms_norm
@@ -74,6 +65,8 @@ from pallas_kernels.attention import (
     decode_attention,
     prefill_attention,
 )
+from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
+from pallas_kernels.prefill_attention_mgpu import unsupported as mosaic_prefill_unsupported
 from pallas_kernels.rope_cache_write import rope_cache_write
 
 __all__ = [
@@ -82,6 +75,8 @@ __all__ = [
     "add_rms_norm",
     "attention_reference",
     "decode_attention",
+    "mosaic_prefill_unsupported",
     "prefill_attention",
+    "prefill_attention_mgpu",
     "rope_cache_write",
 ]

@@ -2,7 +2,7 @@
 
   PYTHONPATH=. python3 pallas_kernels/bench_attention.py [sections...]
 
-Sections (default all): sweep, prefill, decode; the ceilings always run.
+Sections (default all): sweep, mosaic_check, prefill, decode; the ceilings always run.
 Prints a line per measurement and writes every row to
 $OUT/bench_attention.json (OUT defaults to ./out). Qwen3-8B heads: 32 query,
 8 KV, head_dim 128, bf16, random data; the cache holds exactly L keys.
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from eagle3_jax import measure
 from eagle3_jax.attention import xla_attention
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
+from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 
 # BENCH_DRY_RUN=1: tiny shapes in interpret mode, to check this script on a CPU.
 DRY = os.environ.get("BENCH_DRY_RUN") == "1"
@@ -263,10 +264,13 @@ PREFILL_TUNINGS = [
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
 ]
+MOSAIC_TUNINGS = [{}]  # MosaicPrefillConfig fields; {} = its defaults (MOSAIC_TUNINGS overrides, JSON)
 
 
-def _prefill_ops(tunings):
+def _prefill_ops(tunings, mosaic_tunings):
     ops = {f"pallas{i}": partial(prefill_attention, scale=SCALE, interpret=DRY, **t) for i, t in enumerate(tunings)}
+    if not DRY:  # Mosaic GPU has no interpreter here: GPU only
+        ops |= {f"mosaic{i}": partial(prefill_attention_mgpu, scale=SCALE, **t) for i, t in enumerate(mosaic_tunings)}
     ops["xla"] = partial(xla_attention, scale=SCALE)
     # cuDNN takes keys as [B, S, K, H]: the caller passes transposed caches.
     ops["cudnn"] = lambda q, k, v, s: jax.nn.dot_product_attention(
@@ -280,15 +284,16 @@ def _prefill_ops(tunings):
     return ops
 
 
-def prefill_row(T, overhead, matmul_tflops, tunings):
+def prefill_row(T, overhead, matmul_tflops, tunings, mosaic_tunings):
     key = jax.random.key(3)
     k, v = _caches(key, 1, T, 1)[0]
     start = jnp.zeros((1,), jnp.int32)
     qs = _queries(key, 1, T, 4)
     ref = ORACLE(qs[0], k, v, start)
     flops = 4 * N * H * T * (T + 1) / 2  # causal: QK and PV over t + 1 keys
-    row = {"kind": "prefill", "B": 1, "T": T, "tunings": tunings}
-    for name, op in _prefill_ops(tunings).items():
+    row = {"kind": "prefill", "B": 1, "T": T, "tunings": tunings, "mosaic_tunings": mosaic_tunings}
+    ops = _prefill_ops(tunings, mosaic_tunings)
+    for name, op in ops.items():
         kv = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if name in ("cudnn", "mosaic_jax") else (k, v)
         queries = qs
         if name == "mosaic_jax":  # float16 has bfloat16's size and tensor-core rate; the kernel applies no scale
@@ -298,6 +303,9 @@ def prefill_row(T, overhead, matmul_tflops, tunings):
             row[f"{name}_TFLOPs"] = flops * len(qs) / median_wall(run, overhead) / 1e12
             row[f"{name}_of_matmul"] = row[f"{name}_TFLOPs"] / matmul_tflops
             row[f"{name}_err"] = _rel_err(out, ref)
+            # Kernel time too: at 2k a call is ~0.2 ms and the wall time's spread is wide.
+            if kernels := kernel_ns(run):
+                row[f"{name}_dev_TFLOPs"] = flops * len(qs) / sum(kernels.values()) / 1e3
         except Exception as e:
             row[f"{name}_error"] = _short(e)
     ROWS.append(row)
@@ -306,13 +314,52 @@ def prefill_row(T, overhead, matmul_tflops, tunings):
         f"prefill T={T}: "
         + ", ".join(
             f"{n} {_fmt(row, n + '_TFLOPs', '.0f')} TFLOP/s "
-            f"({_fmt(row, n + '_of_matmul', '.0%')} of matmul) "
+            f"({_fmt(row, n + '_of_matmul', '.0%')} of matmul; dev {_fmt(row, n + '_dev_TFLOPs', '.0f')}) "
             f"err {_fmt(row, n + '_err', '.1e')}"
-            for n in _prefill_ops(tunings)
+            for n in ops
         )
     )
     for name in [n for n in row if n.endswith("_error")]:
         print(f"  {name}: {row[name]}")
+
+
+# (B, T, S, N, K, H, starts): token tails, starts > 0 and differing, a cache just big enough, a row
+# whose prompt overflows the cache (its rows past S are don't-care and not compared), GQA 1 to 8.
+MOSAIC_CHECKS = [
+    (1, 136, 264, 32, 8, 128, (0,)),
+    (2, 520, 1024, 32, 8, 128, (0, 300)),
+    (2, 256, 256, 16, 2, 128, (0, 100)),
+    (1, 2048, 4096, 32, 8, 128, (1000,)),
+    (3, 384, 512, 8, 8, 64, (0, 64, 128)),
+    (1, 1024, 1024, 64, 8, 128, (0,)),
+]
+
+
+def mosaic_check(mosaic_tunings):
+    """The Mosaic GPU prefill kernel against the f32 oracle at edge shapes (GPU only).
+
+    Cache slots past start + T hold random finite values: the kernel's precondition.
+    """
+    for B, T, S, n_heads, kv_heads, head_dim, starts in MOSAIC_CHECKS:
+        keys = jax.random.split(jax.random.key(T + S), 3)
+        q = jax.random.normal(keys[0], (B, T, n_heads, head_dim), DTYPE)
+        k, v = (jax.random.normal(x, (B, kv_heads, S, head_dim), DTYPE) for x in keys[1:])
+        start = jnp.array(starts, jnp.int32)
+        ref = attention_reference(q, k, v, start, scale=head_dim**-0.5)
+        valid = (start[:, None] + jnp.arange(T)[None, :] < S)[:, :, None, None]  # rows past S: don't-care
+        for i, tuning in enumerate(mosaic_tunings):
+            row = {"kind": "mosaic_check", "shape": [B, T, S, n_heads, kv_heads, head_dim], "starts": starts,
+                   "tuning": tuning}
+            try:
+                out = jax.block_until_ready(prefill_attention_mgpu(q, k, v, start, scale=head_dim**-0.5, **tuning))
+                row["err"] = _rel_err(jnp.where(valid, out, 0), jnp.where(valid, ref, 0))
+            except Exception as e:
+                row["error"] = _short(e)
+            ROWS.append(row)
+            _save()
+            verdict = "ok" if row.get("err", math.inf) <= 2e-2 else "FAIL"
+            print(f"mosaic check {row['shape']} starts {starts} tuning {i}: err {_fmt(row, 'err', '.1e')} "
+                  f"{verdict} {row.get('error', '')}", flush=True)
 
 
 def main(sections):
@@ -324,10 +371,13 @@ def main(sections):
         sweep(overhead, copy_bw)
     # The table measures what the model gets: DecodeConfig's defaults.
     tuning = json.loads(os.environ.get("DECODE_TUNING", "{}"))
+    mosaic_tunings = json.loads(os.environ.get("MOSAIC_TUNINGS", "null")) or MOSAIC_TUNINGS
+    if "mosaic_check" in sections and not DRY:
+        mosaic_check(mosaic_tunings)
     if "prefill" in sections:
         tunings = json.loads(os.environ.get("PREFILL_TUNINGS", "null"))
         for T in PREFILL_LENGTHS:
-            prefill_row(T, overhead, limits["matmul_TFLOPs"], tunings or PREFILL_TUNINGS)
+            prefill_row(T, overhead, limits["matmul_TFLOPs"], tunings or PREFILL_TUNINGS, mosaic_tunings)
     if "decode" in sections:
         decode_table(overhead, copy_bw, tuning)
     _save()
@@ -335,4 +385,4 @@ def main(sections):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["sweep", "prefill", "decode"])
+    main(sys.argv[1:] or ["sweep", "mosaic_check", "prefill", "decode"])
