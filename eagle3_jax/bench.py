@@ -353,10 +353,11 @@ class Bench:
         implementation, and Pallas against XLA when both are measured. Where two outputs differ, the
         target's top-2 logit margin (XLA path) at the first differing token says how near a tie it was."""
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, self.plan.target.vocab_size, n).tolist() for n in (40, 25)]
+        # 200 tokens: a prefill of 256, several tiles of the prefill kernel; 25: a short row beside it.
+        prompts = [rng.integers(0, self.plan.target.vocab_size, n).tolist() for n in (200, 25)]
         impls = [impl for impl in ("xla", "pallas") if impl in self.kernels]
         modes = {"spec_off": None, f"gamma_{gamma}": self.drafter}
-        outs = {(impl, mode): [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=256,
+        outs = {(impl, mode): [r.token_ids for r in Engine(self.target, drafter, num_draft_tokens=gamma, max_len=512,
                                                           kernels=impl).generate(prompts, new_tokens)]
                 for impl in impls for mode, drafter in modes.items()}
         report = {f"{impl}: gamma_{gamma} vs spec_off":
