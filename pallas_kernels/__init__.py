@@ -18,9 +18,10 @@ run one or two kernel launches per call, with no XLA ops around them.
 
 Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
 - Prefill: Mosaic GPU (TMA + wgmma, FlashAttention-3's warp-specialised
-  pipeline), prefill_attention_mgpu. At 8k tokens it runs at 515-517 TFLOP/s,
-  cuDNN's rate (509-521) and 1.4x the Triton kernel's (358-364); at 2k it also
-  beats the Triton kernel (fifth session). The model takes it wherever it runs:
+  pipeline), prefill_attention_mgpu. Kernel time at 8k tokens: 571 TFLOP/s,
+  cuDNN's rate (570) and 1.46x the Triton kernel's (391); at 2k: 399 against
+  cuDNN's 392 and Triton's 276 (fifth session; wall times agree at 8k and are
+  noisy at 2k). The model takes it wherever it runs:
   compiled on a GPU, on bf16/f16 operands with head_dim 64 or 128 and sizes that
   are multiples of 8 (eagle3_jax.attention.uses_mosaic_prefill). Elsewhere,
   and in the CPU tests, the Triton prefill kernel runs.
