@@ -18,7 +18,8 @@ Two times per op:
 Bandwidth counts the K/V bytes a call must read: 2 * B * K * L * H * 2;
 "of copy" divides wall bandwidth by the wall copy rate and kernel bandwidth
 by the copy kernel's rate (a jnp.copy of 4 GiB, bytes read + written).
-DECODE_TUNING / PREFILL_TUNINGS (JSON) override the tunings; SWEEP_SHAPES / SWEEP_TUNINGS the sweep.
+DECODE_TUNING / PREFILL_TUNINGS / MOSAIC_TUNINGS (JSON) override the tunings; SWEEP_SHAPES / SWEEP_TUNINGS the sweep.
+mosaic_check compares the Mosaic GPU prefill kernel with the f32 reference at edge shapes (GPU only).
 """
 
 import json
