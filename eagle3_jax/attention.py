@@ -49,15 +49,15 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Arra
     interpret = kernels_lib.interpret()
     if q.shape[1] <= _DECODE_KERNEL_MAX_TOKENS:
         return pallas_kernels.decode_attention(q, k_cache, v_cache, start, scale=scale, interpret=interpret)
-    if uses_mosaic_prefill(q, k_cache, v_cache, interpret):
+    if uses_mosaic_prefill(q, k_cache, v_cache, on_hopper=kernels_lib.hopper()):
         return pallas_kernels.prefill_attention_mgpu(q, k_cache, v_cache, start, scale=scale)
     return pallas_kernels.prefill_attention(q, k_cache, v_cache, start, scale=scale, interpret=interpret)
 
 
-def uses_mosaic_prefill(q, k_cache, v_cache, interpret: bool) -> bool:
-    """Prefill's lowering, by measurement (BENCHMARKS.md): Mosaic GPU where it runs (compiled, on
+def uses_mosaic_prefill(q, k_cache, v_cache, *, on_hopper: bool) -> bool:
+    """Prefill's lowering, by measurement (BENCHMARKS.md): Mosaic GPU where it runs (a Hopper GPU;
     operands it takes: bf16/f16, head_dim 64/128, sizes multiples of 8), else the Triton kernel."""
-    return not interpret and pallas_kernels.mosaic_prefill_unsupported(q, k_cache, v_cache) is None
+    return on_hopper and pallas_kernels.mosaic_prefill_unsupported(q, k_cache, v_cache) is None
 
 
 def xla_attention(q, k_cache, v_cache, start, *, scale: float) -> jax.Array:

@@ -48,3 +48,10 @@ def fused_in_pallas(kernels: str) -> bool:
 def interpret() -> bool:
     """Pallas kernels run compiled on the GPU and interpreted elsewhere."""
     return jax.default_backend() != "gpu"
+
+
+def hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.0, as the H100 and H200):
+    the Mosaic GPU prefill kernel's wgmma exists there only."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"

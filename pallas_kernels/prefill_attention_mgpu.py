@@ -2,14 +2,15 @@
 
 Same contract as prefill_attention (q [B, T, N, H]; caches [B, K, S, H] already holding the T new
 tokens at start .. start + T - 1; start [B] int32; rows with start + T > S are don't-care), with
-one precondition more: cache slots at and past start + T must hold finite values. The TMA moves
+one precondition more: V's slots at and past start + T must hold finite values. The TMA moves
 whole key blocks, so the last block of a tile may carry slots past start + T; the causal mask gives
-them weight 0, but 0 * NaN is NaN. The engine's caches are zeroed at creation and only ever
-written with K/V, so they always qualify; slots past S are filled with zeros by the TMA itself.
+them weight 0, but 0 * NaN is NaN in P V (K there is harmless: its logits are replaced). The
+engine's caches are zeroed at creation and only ever written with K/V, so they always qualify;
+slots past S are filled with zeros by the TMA itself. Hopper only (wgmma): the model checks.
 
 Structure (FlashAttention-3's producer/consumer split):
 - One CTA per (query head n, pair of query tiles, batch row b), of three warpgroups. The two
-  compute warpgroups own one tile of block_q tokens each (the pair's first and second); the
+  compute warpgroups own one tile of BLOCK_Q tokens each (the pair's first and second); the
   third only issues TMA loads of head n // G's key and value blocks into a ring of num_stages
   shared-memory slots, and waits for both compute warpgroups to free a slot before refilling it.
   Query heads vary fastest in the grid, so the G heads of one KV head run side by side and share
@@ -17,13 +18,14 @@ Structure (FlashAttention-3's producer/consumer split):
 - A compute step: S = Q K^T (wgmma into registers), masked online softmax in base 2, O += P V
   (wgmma, P from registers). With ping_pong, a barrier shared by the two compute warpgroups makes
   one run its softmax while the other's matmuls hold the tensor cores.
-- The tiling plan (tile_plan) and the causal mask (causal_visible) are plain functions of
-  scalars and iotas: the kernel calls them on traced values, the CPU tests on concrete ones.
+- The tiling plan (pair_plan, tile_plan) and the causal mask (causal_visible) are plain functions
+  of scalars and iotas: the kernel calls them on traced values, the CPU tests on concrete ones.
 
 Testing. Mosaic GPU kernels cannot run in jax 0.10.2's interpreter (pl.run_state, transposed and
 swizzled shared-memory refs are unsupported there; BENCHMARKS.md, third session). So:
-- on the CPU, tests/test_prefill_mgpu.py walks the kernel's tiles with tile_plan and
-  causal_visible and checks that each query reads exactly the keys the reference lets it see;
+- on the CPU, tests/test_prefill_mgpu.py walks the kernel's tiles with pair_plan and
+  causal_visible and checks that each query reads exactly the keys the reference lets it see, and
+  that no tile reads a block it does not need;
   and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks;
 - on the GPU, bench_attention.py's `mosaic_check` section compares the kernel with
   attention_reference (token tails, start > 0 and differing within a batch, a prompt overflowing
@@ -46,18 +48,16 @@ from pallas_kernels import _common
 
 _LOG2E = math.log2(math.e)
 _COMPUTE_WARPGROUPS = 2  # tiles per CTA; the third warpgroup loads K/V
+BLOCK_Q = 64  # tokens per compute warpgroup: the rows of one warpgroup's wgmma
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillConfig:
-    block_q: int = 64  # tokens per compute warpgroup: one wgmma row block
     block_kv: int = 128  # keys per step
     num_stages: int = 2  # K/V slots in the ring
     ping_pong: bool = True  # alternate the compute warpgroups' softmax and matmuls
 
     def __post_init__(self):
-        if self.block_q != 64:
-            raise ValueError(f"{self.block_q=} must be 64 (one warpgroup's wgmma rows)")
         if self.block_kv % 64 or self.block_kv < 64:
             raise ValueError(f"{self.block_kv=} must be a multiple of 64")
         if self.num_stages < 2:
@@ -67,8 +67,9 @@ class MosaicPrefillConfig:
 def unsupported(q, k_cache, v_cache, config: MosaicPrefillConfig = MosaicPrefillConfig()) -> str | None:
     """Why this kernel cannot take these operands, or None when it can.
 
-    The TMA's tiled boxes need 16-bit data, token and key counts that are multiples of 8, and a
-    cache of at least one key block; head_dim 64 or 128 keeps the ring in shared memory.
+    The TMA's tiled boxes need 16-bit data and token and slot counts that are multiples of 8;
+    head_dim 64 or 128 keeps the ring in shared memory; caches shorter than one key block are
+    left to the Triton kernel (never measured here).
     """
     _, T, _, H = q.shape
     S = k_cache.shape[2]
@@ -77,13 +78,28 @@ def unsupported(q, k_cache, v_cache, config: MosaicPrefillConfig = MosaicPrefill
         return f"needs q and caches all bf16 or all f16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
     if H not in (64, 128):
         return f"needs head_dim 64 or 128, got {H}"
-    if T % 8 or S % 8 or S < config.block_kv:
-        return f"needs tokens and cache slots multiples of 8, and >= {config.block_kv} slots; got {T=}, {S=}"
+    if T % 8:
+        return f"needs a token count that is a multiple of 8, got T={T}"
+    if S % 8:
+        return f"needs a cache capacity that is a multiple of 8, got S={S}"
+    if S < config.block_kv:
+        return f"needs a cache of at least {config.block_kv} slots (one key block), got S={S}"
     return None
 
 
-def tile_plan(start, first_token, *, num_tokens: int, capacity: int, block_q: int, block_kv: int):
-    """Key blocks of the tile of tokens first_token .. first_token + block_q - 1.
+def pair_plan(start, pair, warpgroup, *, num_tokens: int, capacity: int, block_kv: int):
+    """The work of one CTA: (first_token, full, steps) of compute warpgroup `warpgroup`'s tile
+    (see tile_plan), and pair_steps, the key blocks the loader fills for the pair: its second
+    tile's steps, which are the most either tile takes."""
+    plan = functools.partial(tile_plan, start, num_tokens=num_tokens, capacity=capacity, block_kv=block_kv)
+    first_token = (_COMPUTE_WARPGROUPS * pair + warpgroup) * BLOCK_Q
+    full, steps = plan(first_token)
+    _, pair_steps = plan((_COMPUTE_WARPGROUPS * pair + _COMPUTE_WARPGROUPS - 1) * BLOCK_Q)
+    return first_token, full, steps, pair_steps
+
+
+def tile_plan(start, first_token, *, num_tokens: int, capacity: int, block_kv: int):
+    """Key blocks of the tile of tokens first_token .. first_token + BLOCK_Q - 1.
 
     Returns (full, steps): blocks [0, full) hold keys every row of the tile sees (no mask);
     blocks [full, steps) hold the rest of what some row sees (causal mask). Works on traced
@@ -91,7 +107,7 @@ def tile_plan(start, first_token, *, num_tokens: int, capacity: int, block_q: in
     """
     length = jnp.minimum(start + num_tokens, capacity)  # keys in use; rows past the cache are don't-care
     full = lax.div(jnp.minimum(start + first_token + 1, length), block_kv)
-    last = jnp.minimum(start + first_token + block_q, length)  # one past the tile's last key
+    last = jnp.minimum(start + first_token + BLOCK_Q, length)  # one past the tile's last key
     steps = lax.div(last + block_kv - 1, block_kv)
     return full, steps
 
@@ -104,7 +120,7 @@ def causal_visible(row_iota, key_iota, *, start, first_token, step, block_kv: in
 def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, num_pairs):
     # start_ref [B] int32; q_ref, o_ref [B, T, N, H]; k_ref, v_ref [B, K, S, H], all in GMEM.
     (q_smem, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scratch
-    bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
+    bq, bkv, stages = BLOCK_Q, config.block_kv, config.num_stages
     T, N, H = q_ref.shape[1:]
     K, S = k_ref.shape[1], k_ref.shape[2]
     dtype = q_ref.dtype
@@ -112,9 +128,8 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, nu
     pair = num_pairs - 1 - lax.axis_index("pairs")  # longest first
     warpgroup = lax.axis_index("wg")
     start = start_ref[b]
-    plan = functools.partial(tile_plan, start, num_tokens=T, capacity=S, block_q=bq, block_kv=bkv)
-    # The pair's second tile reaches furthest: the loader fills that many steps.
-    _, pair_steps = plan((2 * pair + 1) * bq)
+    # (The loader warpgroup uses pair_steps only.)
+    first, full, steps, pair_steps = pair_plan(start, pair, warpgroup, num_tokens=T, capacity=S, block_kv=bkv)
 
     def take_turn():  # with ping_pong: both compute warpgroups meet here
         if config.ping_pong:
@@ -124,8 +139,6 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, nu
     @pl.when(warpgroup < _COMPUTE_WARPGROUPS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        first = (2 * pair + warpgroup) * bq
-        full, steps = plan(first)
         q_tile = q_smem.at[warpgroup]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(first, bq), head], q_tile, q_ready.at[warpgroup])
         plgpu.barrier_wait(q_ready.at[warpgroup])
@@ -208,27 +221,23 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, nu
         plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, N // K)
 
-        def fetch(i, slot, parts):
-            window = (b, kv_head, pl.ds(i * bkv, bkv))
-            for ref, smem, ready, free in parts:
-                if free is not None:
-                    plgpu.barrier_wait(free.at[slot])
-                plgpu.copy_gmem_to_smem(ref.at[window], smem.at[slot], ready.at[slot])
-
-        @pl.loop(0, jnp.minimum(stages, pair_steps))  # fill the ring
-        def _(i):
-            fetch(i, i, [(k_ref, k_smem, k_ready, None), (v_ref, v_smem, v_ready, None)])
-
-        @pl.loop(stages, pair_steps)
+        @pl.loop(0, pair_steps)
         def _(i):
             slot = lax.rem(i, stages)
-            fetch(i, slot, [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)])
+            window = (b, kv_head, pl.ds(i * bkv, bkv))
+            for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
+
+                @pl.when(i >= stages)  # the first round fills an empty ring
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                plgpu.copy_gmem_to_smem(ref.at[window], smem.at[slot], ready.at[slot])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def _prefill(q, k_cache, v_cache, start, *, scale, config):
     B, T, N, H = q.shape
-    bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
+    bq, bkv, stages = BLOCK_Q, config.block_kv, config.num_stages
     num_pairs = -(-T // (_COMPUTE_WARPGROUPS * bq))
     smem = functools.partial(plgpu.SMEM, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
