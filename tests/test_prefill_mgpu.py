@@ -41,6 +41,11 @@ CASES = [
 CONFIGS = [MosaicPrefillConfig(), MosaicPrefillConfig(block_kv=64, num_stages=3)]
 
 
+def start_sweep(config):
+    """Starts on, before and after every key-block edge: the off-by-ones of the plan."""
+    return [(start, 136, 512) for start in range(2 * config.block_kv + 2)]
+
+
 def kernel_plans(start, num_tokens, capacity, config):
     """(first_token, full, steps, pair_steps) of every compute warpgroup, as the kernel's CTAs plan."""
     num_pairs = -(-num_tokens // (2 * BLOCK_Q))
@@ -70,9 +75,8 @@ def kernel_reads(start, num_tokens, capacity, config):
     return reads[:num_tokens]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "kv64"])
-@pytest.mark.parametrize("start,num_tokens,capacity", CASES)
-def test_each_query_reads_exactly_the_keys_it_sees(start, num_tokens, capacity, config):
+def check_reads(start, num_tokens, capacity, config):
+    """Each real query row reads exactly the keys the reference lets it see."""
     reads = kernel_reads(start, num_tokens, capacity, config)
     slots = np.arange(reads.shape[1])[None, :]
     position = start + np.arange(num_tokens)[:, None]
@@ -84,10 +88,15 @@ def test_each_query_reads_exactly_the_keys_it_sees(start, num_tokens, capacity, 
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "kv64"])
+@pytest.mark.parametrize("start,num_tokens,capacity", CASES)
+def test_each_query_reads_exactly_the_keys_it_sees(start, num_tokens, capacity, config):
+    check_reads(start, num_tokens, capacity, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "kv64"])
 def test_every_start_offset_of_a_key_block(config):
-    """Starts on, before and after every key-block edge: the off-by-ones of the plan."""
-    for start in range(2 * config.block_kv + 2):
-        test_each_query_reads_exactly_the_keys_it_sees(start, 136, 512, config)
+    for case in start_sweep(config):
+        check_reads(*case, config)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "kv64"])
@@ -95,7 +104,7 @@ def test_each_tile_reads_no_block_it_does_not_need(config):
     """Every block a tile reads holds a key one of its real rows sees, and its first masked block
     holds a key one of them does not see (else that block could have gone unmasked)."""
     bkv = config.block_kv
-    for start, num_tokens, capacity in CASES + [(s, 136, 512) for s in range(2 * bkv + 2)]:
+    for start, num_tokens, capacity in CASES + start_sweep(config):
         for first, full, steps, _ in kernel_plans(start, num_tokens, capacity, config):
             position = start + np.arange(first, first + BLOCK_Q)[:, None]
             position = position[(position[:, 0] < start + num_tokens) & (position[:, 0] < capacity)]
