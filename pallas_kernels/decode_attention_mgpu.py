@@ -123,7 +123,7 @@ def unsupported(q, k_cache, v_cache, config: MosaicDecodeConfig = MosaicDecodeCo
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, splits):
     # start_ref [B] int32; q_ref, o_ref [B, T, N, H]; k_ref, v_ref [B, K, S, H], all in GMEM.
-    (q_smem, k_smem, v_smem, o_smem, m_smem, l_smem), (k_ready, v_ready, q_ready), (k_free, v_free), *cluster = scratch
+    (q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, token_smem), (k_ready, v_ready, q_ready), (k_free, v_free), *cluster = scratch
     bkv, stages = config.block_kv, config.num_stages
     T, N, H = q_ref.shape[1:]
     K, S = k_ref.shape[1], k_ref.shape[2]
@@ -178,7 +178,8 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
             o_smem[...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             plgpu.commit_smem()
             for t in range(T):
-                _store_token(o_ref, [o_smem], b=b, t=t, first_row=t * R + off, head=head, group=G)
+                rows = plgpu.load(o_smem.at[pl.ds(t * R + off, G)], (), layout=_token_layout(G, H))
+                o_ref.at[b, t, pl.ds(head * G, G)][...] = rows.astype(dtype)
             return
 
         barrier = cluster[0]
@@ -191,18 +192,22 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
         l_all = [plgpu.load(peer(l_smem), (), layout=_ROW) for peer in peers]
         m_max = functools.reduce(jnp.maximum, m_all)
         total = functools.reduce(jnp.add, [lj * jnp.exp2(mj - m_max) for mj, lj in zip(m_all, l_all)])
-        weight = jnp.exp2(m - m_max) / total
-        o_smem[...] = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
+        o_smem[...] = acc * lax.broadcast_in_dim(jnp.exp2(m - m_max) / total, acc.shape, [0])
+        plgpu.commit_smem()
+        # A peer's shared memory is read whole (Mosaic GPU maps only unsliced refs to a peer), so
+        # each token's G rows get a buffer of their own.
+        layout = _token_layout(G, H)
+        for t in range(T):
+            token_smem[t][...] = plgpu.load(o_smem.at[pl.ds(t * R + off, G)], (), layout=layout)
         _cluster_sync(barrier.at[1])
-        for k in range(-(-T // splits)):
-            t = k * splits + split
+        for t in range(T):
 
-            @pl.when(t < T)
+            @pl.when(t % splits == split)
             def _():
-                _store_token(o_ref, [peer(o_smem) for peer in peers], b=b, t=t, first_row=t * R + off,
-                             head=head, group=G)
+                parts = [plgpu.load(peer(token_smem[t]), (), layout=layout) for peer in peers]
+                o_ref.at[b, t, pl.ds(head * G, G)][...] = functools.reduce(jnp.add, parts).astype(dtype)
 
-        _cluster_sync(barrier.at[2])  # no CTA exits while another may still read its o_smem
+        _cluster_sync(barrier.at[2])  # no CTA exits while another may still read its token_smem
 
     @pl.when(lax.axis_index("wg") == 1)
     def _load():
@@ -229,13 +234,9 @@ def _cluster_sync(barrier):
     plgpu.barrier_wait(barrier)
 
 
-def _store_token(o_ref, sources, *, b, t, first_row, head, group):
-    """o[b, t, head * G : head * G + G] = the sum over sources of their rows first_row .. + G - 1
-    (f32 [64, H] shared-memory refs, own or a peer's)."""
-    H = o_ref.shape[-1]
-    layout = plgpu.Layout.WG_STRIDED((group, H), vec_size=min(4, group * H // 128))
-    parts = [plgpu.load(src.at[pl.ds(first_row, group)], (), layout=layout) for src in sources]
-    o_ref.at[b, t, pl.ds(head * group, group)][...] = functools.reduce(jnp.add, parts).astype(o_ref.dtype)
+def _token_layout(group, head_dim):
+    """Registers of a token's [G, H] rows across the warpgroup, up to 4 contiguous floats each."""
+    return plgpu.Layout.WG_STRIDED((group, head_dim), vec_size=min(4, group * head_dim // 128))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
@@ -263,6 +264,7 @@ def _decode(q, k_cache, v_cache, start, *, scale, config):
                 plgpu.SMEM((TILE_ROWS, H), jnp.float32),  # this CTA's (scaled) output rows
                 plgpu.SMEM((TILE_ROWS,), jnp.float32),  # row maxima
                 plgpu.SMEM((TILE_ROWS,), jnp.float32),  # row sums
+                [plgpu.SMEM((N // K, H), jnp.float32) for _ in range(T if splits > 1 else 0)],  # per token
             ),
             (
                 plgpu.Barrier(num_barriers=stages),  # K slot filled
