@@ -283,7 +283,7 @@ def _decode(q, k_cache, v_cache, start, *, scale, config):
         grid_names=("heads", "batch"),
         num_threads=2,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         **cluster_kwargs,
     )(start, q, k_cache, v_cache)
 

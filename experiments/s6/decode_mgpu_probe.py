@@ -74,7 +74,7 @@ def timing(overhead, copy_bw):
     key = jax.random.key(2)
     shapes = [(1, 16384, 1), (1, 16384, 4), (1, 16384, 8), (1, 32768, 1), (1, 32768, 8), (1, 4096, 1),
               (8, 16384, 1), (8, 16384, 8), (32, 4096, 1), (32, 16384, 4)]
-    tunings = [{}, {"block_kv": 64, "num_stages": 4}, {"num_stages": 3, "block_kv": 64}, {"max_splits": 8}]
+    tunings = [{}, {"block_kv": 64, "num_stages": 4}, {"max_splits": 8}, {"num_stages": 3}]
     for B, L, T in shapes:
         kv_sets = ba._kv_sets(key, B, L)
         start = jnp.full((B,), L - T, jnp.int32)
