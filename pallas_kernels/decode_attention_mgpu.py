@@ -50,16 +50,19 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # per-row vectors of a wgmma result
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
-    block_kv: int = 128  # keys per step
-    num_stages: int = 2  # K/V slots in the ring
-    max_splits: int = 16  # CTAs per cluster (16 needs Hopper's non-portable cluster size)
+    block_kv: int = 64  # keys per step
+    num_stages: int = 2  # K/V slots in the ring per compute warpgroup
+    compute_warpgroups: int = 2  # each takes every W-th key block of the CTA's share
+    # CTAs per cluster. 8 by measurement: clusters of 16 (Hopper's non-portable maximum) stream
+    # keys 21% slower at batch 1 (BENCHMARKS.md, sixth session).
+    max_splits: int = 8
     wave_slots: int = 132  # CTAs the H200 runs at once (one per SM)
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv < 64:
             raise ValueError(f"{self.block_kv=} must be a multiple of 64")
-        if self.num_stages < 1:
-            raise ValueError(f"{self.num_stages=} must be >= 1")
+        if self.num_stages < 1 or self.compute_warpgroups not in (1, 2, 3):
+            raise ValueError(f"{self.num_stages=} must be >= 1 and {self.compute_warpgroups=} 1, 2 or 3")
         if not (_common.is_power_of_2(self.max_splits) and self.max_splits <= 16):
             raise ValueError(f"{self.max_splits=} must be a power of 2 <= 16")
 
@@ -93,11 +96,33 @@ def split_plan(start, split, *, num_tokens: int, capacity: int, block_kv: int, s
     return lax.div(split * blocks, splits), lax.div((split + 1) * blocks, splits)
 
 
+def warpgroup_plan(start, lo, hi, warpgroup, *, compute_warpgroups: int, block_kv: int):
+    """(count, unmasked): compute warpgroup w takes blocks lo + w + W * c for c in [0, count);
+    those with c < unmasked hold only keys <= start, which every row sees (no mask)."""
+    W = compute_warpgroups
+    count = lax.div(jnp.maximum(hi - lo - warpgroup, 0) + W - 1, W)
+    full = lax.div(start + 1, block_kv)  # blocks [0, full) hold only keys <= start
+    unmasked = lax.div(jnp.maximum(full - lo - warpgroup, 0) + W - 1, W)
+    return count, jnp.minimum(unmasked, count)
+
+
 def causal_visible(row_iota, key_iota, *, start, step, num_tokens: int, rows_per_token: int, block_kv: int):
     """Which keys of block `step` the tile's rows see: key <= start + token of the row (rows past
     T * R count as token T - 1)."""
     token = jnp.minimum(lax.div(row_iota, rows_per_token), num_tokens - 1)
     return key_iota + step * block_kv <= token + start
+
+
+_SMEM_BYTES = 232448  # the H200's shared memory per CTA (227 KB)
+
+
+def smem_bytes(T, N, K, H, config: MosaicDecodeConfig) -> int:
+    """Shared memory of one CTA (without barriers): queries, the per-warpgroup row statistics and
+    token buffers, and the larger of the K/V ring and the output staging, which share bytes."""
+    W = config.compute_warpgroups
+    ring = 2 * W * config.num_stages * config.block_kv * H * 2
+    staging = W * TILE_ROWS * H * 4
+    return TILE_ROWS * H * 2 + W * (2 * TILE_ROWS * 4 + T * (N // K) * H * 4) + max(ring, staging)
 
 
 def unsupported(q, k_cache, v_cache, config: MosaicDecodeConfig = MosaicDecodeConfig()) -> str | None:
@@ -118,13 +143,16 @@ def unsupported(q, k_cache, v_cache, config: MosaicDecodeConfig = MosaicDecodeCo
         return f"needs G * head_dim >= 128 (a warpgroup's store), got G={G}, H={H}"
     if S < config.block_kv:
         return f"needs a cache of at least {config.block_kv} slots (one key block), got S={S}"
+    if (need := smem_bytes(T, N, K, H, config)) > _SMEM_BYTES:
+        return f"needs {need} bytes of shared memory, more than the {_SMEM_BYTES} a CTA has"
     return None
 
 
 def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, splits):
     # start_ref [B] int32; q_ref, o_ref [B, T, N, H]; k_ref, v_ref [B, K, S, H], all in GMEM.
-    (q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, token_smem), (k_ready, v_ready, q_ready), (k_free, v_free), *cluster = scratch
-    bkv, stages = config.block_kv, config.num_stages
+    (q_smem, m_smem, l_smem, token_smem, ((k_smem, v_smem), o_smem)), (k_ready, v_ready, q_ready), (
+        k_free, v_free), meet = scratch
+    bkv, stages, W = config.block_kv, config.num_stages, config.compute_warpgroups
     T, N, H = q_ref.shape[1:]
     K, S = k_ref.shape[1], k_ref.shape[2]
     G, R = N // K, rows_per_token(N, K)
@@ -134,16 +162,28 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
     start = start_ref[b]
     lo, hi = split_plan(start, split, num_tokens=T, capacity=S, block_kv=bkv, splits=splits)
     first, off = query_window(head, num_heads=N, kv_heads=K)
+    # The partials to merge: every compute warpgroup of every CTA of the cluster.
+    if splits > 1:
+        peers = [functools.partial(plgpu.cluster_ref, block_id={"split": p}) for p in range(splits)]
+    else:
+        peers = [lambda ref: ref]
+    token_layout = plgpu.Layout.WG_STRIDED((G, H), vec_size=min(4, G * H // 128))
 
-    @pl.when(lax.axis_index("wg") == 0)
-    def _compute():
-        for t in range(T):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, t, pl.ds(first, R)], q_smem.at[pl.ds(t * R, R)], q_ready)
+    def slot_of(w, c):  # warpgroup w's c-th block: its own slots, so barrier parities stay per warpgroup
+        return w + W * lax.rem(c, stages)
+
+    def compute(w):
+        plgpu.set_max_registers(_compute_registers(W), action="increase")
+
+        if w == 0:  # loads every compute warpgroup's queries
+            for t in range(T):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, t, pl.ds(first, R)], q_smem.at[pl.ds(t * R, R)], q_ready)
+
         plgpu.barrier_wait(q_ready)
 
-        def step(i, carry):
+        def step(c, carry, *, masked):
             acc, m, l = carry
-            slot = lax.rem(i - lo, stages)
+            i, slot = lo + w + W * c, slot_of(w, c)
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(ref):
@@ -152,10 +192,13 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
 
             s = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-            keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            visible = causal_visible(rows, keys, start=start, step=i, num_tokens=T, rows_per_token=R, block_kv=bkv)
-            s = jnp.where(visible, s * (scale * _LOG2E), -jnp.inf)
+            s = s * (scale * _LOG2E)  # logits in base 2: exp2 below
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                visible = causal_visible(rows, keys, start=start, step=i, num_tokens=T, rows_per_token=R,
+                                         block_kv=bkv)
+                s = jnp.where(visible, s, -jnp.inf)
             # m starts finite (M_INIT): a block with no key visible to a row leaves it unchanged.
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
@@ -172,85 +215,88 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
             plgpu.layout_cast(jnp.full((TILE_ROWS,), _common.M_INIT, jnp.float32), _ROW),
             plgpu.layout_cast(jnp.full((TILE_ROWS,), 0, jnp.float32), _ROW),
         )
-        acc, m, l = lax.fori_loop(lo, hi, step, carry)
+        count, unmasked = warpgroup_plan(start, lo, hi, w, compute_warpgroups=W, block_kv=bkv)
+        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(unmasked, count, functools.partial(step, masked=True), carry)
 
-        if splits == 1:  # all keys seen here, key 0 among them: l > 0 on every real row
-            o_smem[...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-            plgpu.commit_smem()
-            for t in range(T):
-                rows = plgpu.load(o_smem.at[pl.ds(t * R + off, G)], (), layout=_token_layout(G, H))
-                o_ref.at[b, t, pl.ds(head * G, G)][...] = rows.astype(dtype)
-            return
-
-        barrier = cluster[0]
-        peers = [functools.partial(plgpu.cluster_ref, block_id={"split": p}) for p in range(splits)]
-        m_smem[...] = m
-        l_smem[...] = l
-        _cluster_sync(barrier.at[0])
-        # Some split holds key 0, which every row sees: M is a real logit and L > 0.
-        m_all = [plgpu.load(peer(m_smem), (), layout=_ROW) for peer in peers]
-        l_all = [plgpu.load(peer(l_smem), (), layout=_ROW) for peer in peers]
+        # Merge. Every partial publishes its row maxima and sums ...
+        m_smem[w][...] = m
+        l_smem[w][...] = l
+        _meet(meet.at[0])
+        # ... (some partial holds key 0, which every row sees: M is a real logit and L > 0) ...
+        m_all = [plgpu.load(peer(ref), (), layout=_ROW) for peer in peers for ref in m_smem]
+        l_all = [plgpu.load(peer(ref), (), layout=_ROW) for peer in peers for ref in l_smem]
         m_max = functools.reduce(jnp.maximum, m_all)
         total = functools.reduce(jnp.add, [lj * jnp.exp2(mj - m_max) for mj, lj in zip(m_all, l_all)])
-        o_smem[...] = acc * lax.broadcast_in_dim(jnp.exp2(m - m_max) / total, acc.shape, [0])
+        # ... then its output rows scaled by its share: the output is their sum. The staging
+        # buffer shares bytes with the ring, which every warpgroup of the cluster is done with.
+        o_smem[w][...] = acc * lax.broadcast_in_dim(jnp.exp2(m - m_max) / total, acc.shape, [0])
         plgpu.commit_smem()
-        # A peer's shared memory is read whole (Mosaic GPU maps only unsliced refs to a peer), so
+        # Peers read shared memory whole (Mosaic GPU maps only unsliced refs to a peer CTA), so
         # each token's G rows get a buffer of their own.
-        layout = _token_layout(G, H)
         for t in range(T):
-            token_smem[t][...] = plgpu.load(o_smem.at[pl.ds(t * R + off, G)], (), layout=layout)
-        _cluster_sync(barrier.at[1])
-        for t in range(T):
+            token_smem[w][t][...] = plgpu.load(o_smem[w].at[pl.ds(t * R + off, G)], (), layout=token_layout)
+        _meet(meet.at[1])
+        for t in range(T):  # token t: summed and stored by warpgroup (t // splits) % W of split t % splits
+            if (t // splits) % W != w:
+                continue
 
-            @pl.when(t % splits == split)
+            @pl.when(split == t % splits)
             def _():
-                parts = [plgpu.load(peer(token_smem[t]), (), layout=layout) for peer in peers]
+                parts = [plgpu.load(peer(bufs[t]), (), layout=token_layout) for peer in peers for bufs in token_smem]
                 o_ref.at[b, t, pl.ds(head * G, G)][...] = functools.reduce(jnp.add, parts).astype(dtype)
 
-        _cluster_sync(barrier.at[2])  # no CTA exits while another may still read its token_smem
+        _meet(meet.at[2])  # no CTA exits while another may still read its token buffers
 
-    @pl.when(lax.axis_index("wg") == 1)
-    def _load():
+    def load():
         plgpu.set_max_registers(40, action="decrease")
 
-        @pl.loop(lo, hi)
-        def _(i):
-            slot = lax.rem(i - lo, stages)
-            window = (b, head, pl.ds(i * bkv, bkv))
+        @pl.loop(0, hi - lo)
+        def _(n):
+            c, slot = lax.div(n, W), slot_of(lax.rem(n, W), lax.div(n, W))
+            window = (b, head, pl.ds((lo + n) * bkv, bkv))
             for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
 
-                @pl.when(i - lo >= stages)  # the first round fills an empty ring
+                @pl.when(c >= stages)  # the first round fills an empty ring
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
                 plgpu.copy_gmem_to_smem(ref.at[window], smem.at[slot], ready.at[slot])
 
+    warpgroup = lax.axis_index("wg")
+    for w in range(W):
+        pl.when(warpgroup == w)(functools.partial(compute, w))
+    pl.when(warpgroup == W)(load)
 
-def _cluster_sync(barrier):
-    """All compute warpgroups of the cluster meet; their shared-memory stores before it are
-    visible to the others' reads after it."""
+
+def _compute_registers(compute_warpgroups):
+    """Registers per thread of a compute warpgroup: what the loader's 40 leave, a multiple of 8."""
+    return min(232, (65536 // 128 - 40) // compute_warpgroups // 8 * 8)
+
+
+def _meet(barrier):
+    """All compute warpgroups of the cluster (of the CTA, with one split) meet; their
+    shared-memory stores before it are visible to the reads after it."""
     plgpu.commit_smem()  # every thread of the warpgroup has stored before the arrive
     plgpu.barrier_arrive(barrier)
     plgpu.barrier_wait(barrier)
-
-
-def _token_layout(group, head_dim):
-    """Registers of a token's [G, H] rows across the warpgroup, up to 4 contiguous floats each."""
-    return plgpu.Layout.WG_STRIDED((group, head_dim), vec_size=min(4, group * head_dim // 128))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config"))
 def _decode(q, k_cache, v_cache, start, *, scale, config):
     B, T, N, H = q.shape
     K, S = k_cache.shape[1], k_cache.shape[2]
-    bkv, stages = config.block_kv, config.num_stages
+    bkv, W = config.block_kv, config.compute_warpgroups
+    slots = W * config.num_stages
     splits = config.splits_for(B, K, S)
     tiled = functools.partial(plgpu.SMEM, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    cluster_kwargs = {}
-    cluster_barriers = ()
+    f32 = functools.partial(plgpu.SMEM, dtype=jnp.float32)
+    mesh = dict(grid=(K, B), grid_names=("heads", "batch"))
     if splits > 1:
-        cluster_kwargs = dict(cluster=(splits,), cluster_names=("split",))
-        cluster_barriers = (plgpu.ClusterBarrier(collective_axes=("split",), num_barriers=3),)
+        mesh |= dict(cluster=(splits,), cluster_names=("split",))
+        meet = plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=W, num_barriers=3)
+    else:
+        meet = plgpu.Barrier(num_arrivals=W, num_barriers=3)
 
     def entry(start_ref, q_ref, k_ref, v_ref, o_ref):
         pl.run_scoped(
@@ -259,32 +305,31 @@ def _decode(q, k_cache, v_cache, start, *, scale, config):
             ),
             (
                 tiled((TILE_ROWS, H), q.dtype),
-                tiled((stages, bkv, H), k_cache.dtype),
-                tiled((stages, bkv, H), v_cache.dtype),
-                plgpu.SMEM((TILE_ROWS, H), jnp.float32),  # this CTA's (scaled) output rows
-                plgpu.SMEM((TILE_ROWS,), jnp.float32),  # row maxima
-                plgpu.SMEM((TILE_ROWS,), jnp.float32),  # row sums
-                [plgpu.SMEM((N // K, H), jnp.float32) for _ in range(T if splits > 1 else 0)],  # per token
+                [f32((TILE_ROWS,)) for _ in range(W)],  # row maxima, per compute warpgroup
+                [f32((TILE_ROWS,)) for _ in range(W)],  # row sums
+                [[f32((N // K, H)) for _ in range(T)] for _ in range(W)],  # scaled output, per token
+                plgpu.RefUnion(
+                    (tiled((slots, bkv, H), k_cache.dtype), tiled((slots, bkv, H), v_cache.dtype)),
+                    [f32((TILE_ROWS, H)) for _ in range(W)],  # scaled output rows, after the ring's use
+                ),
             ),
             (
-                plgpu.Barrier(num_barriers=stages),  # K slot filled
-                plgpu.Barrier(num_barriers=stages),  # V slot filled
+                plgpu.Barrier(num_barriers=slots),  # K slot filled
+                plgpu.Barrier(num_barriers=slots),  # V slot filled
                 plgpu.Barrier(num_arrivals=T),  # one query box per token
             ),
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),  # slot read
-            *cluster_barriers,
+            (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots)),  # slot read
+            meet,
             collective_axes="wg",
         )
 
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(K, B),
-        grid_names=("heads", "batch"),
-        num_threads=2,
+        num_threads=W + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        **cluster_kwargs,
+        **mesh,
     )(start, q, k_cache, v_cache)
 
 

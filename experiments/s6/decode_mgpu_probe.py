@@ -40,9 +40,10 @@ CHECKS = [
     (1, 4, 2048, 64, 8, 128, (999,), {}),       # G = 8
     (1, 2, 2048, 64, 4, 128, (777,), {}),       # G = 16
     (2, 4, 2048, 32, 8, 64, (5, 2000), {}),     # head_dim 64
-    (1, 8, 16384, 32, 8, 128, (9000,), {"block_kv": 64, "num_stages": 4}),
-    (1, 8, 16384, 32, 8, 128, (9000,), {"max_splits": 8}),
-    (1, 8, 16384, 32, 8, 128, (9000,), {"num_stages": 3, "block_kv": 64}),
+    (1, 8, 16384, 32, 8, 128, (9000,), {"compute_warpgroups": 1, "block_kv": 128}),
+    (1, 1, 16384, 32, 8, 128, (9000,), {"compute_warpgroups": 3}),
+    (1, 8, 16384, 32, 8, 128, (9000,), {"max_splits": 16}),
+    (2, 8, 16384, 32, 8, 128, (9000, 16376), {}),
 ]
 
 
@@ -73,8 +74,8 @@ def check():
 def timing(overhead, copy_bw):
     key = jax.random.key(2)
     shapes = [(1, 16384, 1), (1, 16384, 4), (1, 16384, 8), (1, 32768, 1), (1, 32768, 8), (1, 4096, 1),
-              (8, 16384, 1), (8, 16384, 8), (32, 4096, 1), (32, 16384, 4)]
-    tunings = [{}, {"block_kv": 64, "num_stages": 4}, {"max_splits": 8}, {"num_stages": 3}]
+              (8, 16384, 1), (8, 16384, 8), (32, 4096, 1)]
+    tunings = [{}, {"compute_warpgroups": 3}, {"compute_warpgroups": 1, "block_kv": 128}, {"max_splits": 16}]
     for B, L, T in shapes:
         kv_sets = ba._kv_sets(key, B, L)
         start = jnp.full((B,), L - T, jnp.int32)
