@@ -121,3 +121,35 @@ if __name__ == "__main__":
     if "time" in sys.argv[1:] or len(sys.argv) == 1:
         timing(overhead, copy_bw)
     print(f"total {time.time() - t0:.0f}s", flush=True)
+
+
+def variants(overhead, copy_bw):
+    """Where the batch-1 time goes: the kernel without its merge, without its compute, and whole."""
+    import importlib
+    key = jax.random.key(2)
+    for L in (4096, 16384):
+        kv_sets = ba._kv_sets(key, 1, L)
+        kv_bytes = 2 * ba.K * L * ba.H * 2
+        start = jnp.full((1,), L - 1, jnp.int32)
+        qs = ba._queries(key, 1, 1, len(kv_sets))
+        for variant in ("", "no_merge", "no_compute"):
+            os.environ["VARIANT"] = variant
+            sys.path.insert(0, "experiments/s6")
+            import decode_variants
+            importlib.reload(decode_variants)
+            op = partial(decode_variants.decode_attention_mgpu, scale=ba.SCALE)
+            row = {"kind": "variant", "L": L, "variant": variant}
+            try:
+                run, _ = ba._batched(op, qs, kv_sets, start)
+                row["dev_us"] = sum(ba.kernel_ns(run).values()) / len(qs) / 1e3
+                row["dev_of_copy"] = kv_bytes / row["dev_us"] / 1e6 / copy_bw["copy_dev_TBps"]
+            except Exception as e:
+                row["error"] = ba._short(e)
+            ROWS.append(row)
+            save()
+            print(row, flush=True)
+        del kv_sets
+
+
+if __name__ == "__main__" and "variants" in sys.argv[1:]:
+    variants(overhead, copy_bw)
