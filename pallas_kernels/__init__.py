@@ -37,6 +37,11 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
     Triton's num_stages) give exactly "read keys < start + T, never garbage",
     where the TMA moves fixed boxes; and wgmma wants 64-row tiles where decode
     has T * G = 4..32 query rows.
+  - A Mosaic GPU decode kernel whose split-K CTAs form a thread-block cluster
+    and merge through distributed shared memory (no second launch) was built
+    and measured in the sixth session: correct, level with the Triton kernel
+    from batch 8, slower at batch 1 (24.9 against 21.9 us at 16k keys; its
+    in-cluster merge costs 4-5 us). Not adopted; BENCHMARKS.md has the figures.
   - pallas_call(interpret=True) runs these kernels unchanged on the CPU through
     the generic interpreter, so every mask, split and row mapping is tested
     there (tests/test_pallas_attention.py).
