@@ -3,7 +3,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test
+# The GPU image runs jax 0.11.2 (Python 3.12), which lowers Mosaic GPU kernels differently from the
+# suite's jax 0.10.2. The Mosaic GPU kernel's tests (planning, refusals, lowering for CUDA) also run
+# under it, in a second venv, when a Python 3.12 is found.
+GPU_JAX_VENV := .venv-jax0.11
+GPU_JAX_STAMP := $(GPU_JAX_VENV)/.installed
+PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
+
+.PHONY: demo test test-gpu-jax
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,3 +27,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-gpu-jax
+
+$(GPU_JAX_STAMP): pyproject.toml
+	$(PY312) -m venv $(GPU_JAX_VENV)
+	$(GPU_JAX_VENV)/bin/python -m pip install -q jax==0.11.2 safetensors pytest
+	touch $@
+
+ifeq ($(PY312),)
+test-gpu-jax:
+	@echo "SKIPPED: the jax 0.11.2 run of tests/test_prefill_mgpu.py needs a Python 3.12, and none was found"
+else
+test-gpu-jax: $(GPU_JAX_STAMP)
+	PYTHONPATH=. $(GPU_JAX_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_prefill_mgpu.py
+endif

@@ -56,7 +56,8 @@ Testing the Mosaic GPU kernel: jax 0.10.2's Mosaic GPU interpreter cannot run a
 tensor-core attention step (pl.run_state, transposed and swizzled shared-memory
 refs are unsupported there; the probes are in commit 8d072de). So its tiling
 plan and mask are plain functions that the CPU tests walk against the
-reference's visibility, the tests lower the whole kernel for CUDA, and
+reference's visibility, the tests lower the whole kernel for CUDA (under jax
+0.10.2 and, in make test's second venv, the GPU image's 0.11.2), and
 bench_attention.py's mosaic_check compares it with the reference on the GPU
 (prefill_attention_mgpu's docstring).
 When Triton is removed from Pallas, the decode kernel's structure (rows =

@@ -26,7 +26,9 @@ swizzled shared-memory refs are unsupported there; BENCHMARKS.md, third session)
 - on the CPU, tests/test_prefill_mgpu.py walks the kernel's tiles with pair_plan and
   causal_visible and checks that each query reads exactly the keys the reference lets it see, and
   that no tile reads a block it does not need;
-  and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks;
+  and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks
+  (`make test` runs these tests under jax 0.10.2 and again under the GPU image's 0.11.2, whose
+  lowering differs: it failed on a kernel that 0.10.2 lowered; BENCHMARKS.md, sixth session);
 - on the GPU, bench_attention.py's `mosaic_check` section compares the kernel with
   attention_reference (token tails, start > 0 and differing within a batch, a prompt overflowing
   the cache, GQA 1 to 8, head_dim 64 and 128), and its `prefill` section times it against the
@@ -159,7 +161,7 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, nu
             slot = lax.rem(i, stages)
 
             def qk(ref):
-                plgpu.wgmma(ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                 take_turn()
                 return ref[...]
 
