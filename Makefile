@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) --no-print-directory test-gpu-jax
 
-$(GPU_JAX_STAMP): pyproject.toml
+$(GPU_JAX_STAMP): Makefile  # the venv's pins are here
 	$(PY312) -m venv $(GPU_JAX_VENV)
 	$(GPU_JAX_VENV)/bin/python -m pip install -q jax==0.11.2 safetensors pytest
 	touch $@
