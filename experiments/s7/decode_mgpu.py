@@ -59,6 +59,7 @@ class MosaicDecodeConfig:
     wave_slots: int = 132  # CTAs the H200 runs at once (one per SM)
     merge: str = "lse"  # "lse": owner combines (o / l, lse) rows; "none": timing only, unmerged rows stored
     pad: int = 8  # f32 words of padding per staging row: row stride = 8 banks mod 32, conflict-free stores
+    cluster: bool = True  # False: no cluster (merge "none" only)
     profile_dir: str = ""  # Mosaic GPU's on-device profiler trace (named scopes), when set
 
     def __post_init__(self):
@@ -163,6 +164,7 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
     dtype = q_ref.dtype
     head, b = lax.axis_index("heads"), lax.axis_index("batch")
     split = lax.axis_index("split") if splits > 1 else 0
+    assert config.cluster or config.merge == "none"
     start = start_ref[b]
     lo, hi = split_plan(start, split, num_tokens=T, capacity=S, block_kv=bkv, splits=splits)
     first, off = query_window(head, num_heads=N, kv_heads=K)
@@ -316,7 +318,10 @@ def _decode(q, k_cache, v_cache, start, *, scale, config):
     tiled = functools.partial(plgpu.SMEM, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     f32 = functools.partial(plgpu.SMEM, dtype=jnp.float32)
     mesh = dict(grid=(K, B), grid_names=("heads", "batch"))
-    if splits > 1:
+    if splits > 1 and not config.cluster:
+        mesh = dict(grid=(K, B, splits), grid_names=("heads", "batch", "split"))
+        meet = plgpu.Barrier(num_arrivals=W, num_barriers=2)
+    elif splits > 1:
         mesh |= dict(cluster=(splits,), cluster_names=("split",))
         meet = plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=W, num_barriers=2)
     else:
