@@ -59,6 +59,7 @@ class MosaicDecodeConfig:
     wave_slots: int = 132  # CTAs the H200 runs at once (one per SM)
     merge: str = "lse"  # "lse": owner combines (o / l, lse) rows; "none": timing only, unmerged rows stored
     pad: int = 8  # f32 words of padding per staging row: row stride = 8 banks mod 32, conflict-free stores
+    combine: str = "full"  # timing variants of the owner's combine: "full", "o_only", "local" (own buffers)
     cluster: bool = True  # False: no cluster (merge "none" only)
     profile_dir: str = ""  # Mosaic GPU's on-device profiler trace (named scopes), when set
 
@@ -261,12 +262,20 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, scratch, *, scale, config, sp
 
                 @pl.when(split == t % splits)
                 def _():
-                    lses = [plgpu.load(peer(bufs[t]), (), layout=token_layout) for peer in peers for bufs in tok_lse]
-                    outs = [plgpu.load(peer(bufs[t]), (), layout=token_layout) for peer in peers for bufs in tok_o]
-                    top = functools.reduce(jnp.maximum, lses)  # finite: some partial holds key 0
-                    weights = [jnp.exp2(x - top) for x in lses]
-                    total = functools.reduce(jnp.add, weights)
-                    o = functools.reduce(jnp.add, [wt * x for wt, x in zip(weights, outs)]) / total
+                    src = [(lambda r: r)] * splits if config.combine == "local" else peers
+                    with jax.named_scope("c_load"):
+                        outs = [plgpu.load(peer(bufs[t]), (), layout=token_layout) for peer in src for bufs in tok_o]
+                        if config.combine != "o_only":
+                            lses = [plgpu.load(peer(bufs[t]), (), layout=token_layout)
+                                    for peer in src for bufs in tok_lse]
+                    with jax.named_scope("c_math"):
+                        if config.combine == "o_only":
+                            o = functools.reduce(jnp.add, outs)
+                        else:
+                            top = functools.reduce(jnp.maximum, lses)  # finite: some partial holds key 0
+                            weights = [jnp.exp2(x - top) for x in lses]
+                            total = functools.reduce(jnp.add, weights)
+                            o = functools.reduce(jnp.add, [wt * x for wt, x in zip(weights, outs)]) / total
                     o_ref.at[b, t, pl.ds(head * G, G)][...] = o.astype(dtype)
 
         with jax.named_scope("meet2"):
