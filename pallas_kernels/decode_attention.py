@@ -41,8 +41,6 @@ class DecodeConfig:
     num_splits: int | None = None  # forces the split count when set
     num_warps: int = 4
     num_stages: int = 3  # Triton's software pipelining depth over KV blocks
-    merge_warps: int = 1  # warps per program of the split-K merge
-    merge_cols: int | None = None  # head_dim columns per merge program (None: all)
 
     def __post_init__(self):
         if not (_common.is_power_of_2(self.block_k) and self.block_k >= 16):
@@ -53,10 +51,6 @@ class DecodeConfig:
             raise ValueError(f"{self.wave_slots=} must be >= 1")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad {self.num_warps=} or {self.num_stages=}")
-        if self.merge_warps not in (1, 2, 4, 8):
-            raise ValueError(f"bad {self.merge_warps=}")
-        if self.merge_cols is not None and not (_common.is_power_of_2(self.merge_cols) and self.merge_cols >= 16):
-            raise ValueError(f"{self.merge_cols=} must be a power of 2 >= 16")
 
     def splits_for(self, batch: int, kv_heads: int, capacity: int) -> int:
         wanted = self.num_splits or self.wave_slots // (batch * kv_heads)
@@ -153,22 +147,21 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits):
     out_ref[...] = ((w[:, None] * o).sum(axis=0) / w.sum()).astype(out_ref.dtype)
 
 
-def _merge_call(o, lse, out_shape, *, num_splits, config, interpret):
+def _merge_call(o, lse, out_shape, *, num_splits, interpret):
     """Partials [B, K, J', M, H] and lse -> the output [B, T, N, H]."""
     B, K, splits, _, H = o.shape
     _, T, N, _ = out_shape.shape
     G = N // K
-    cols = min(H, config.merge_cols or H)
     return pl.pallas_call(
         functools.partial(_merge_kernel, num_splits=num_splits),
-        grid=(B, K, T * G, H // cols),  # one program per real row and column block
+        grid=(B, K, T * G),  # one program per real row
         in_specs=[
-            pl.BlockSpec((None, None, splits, None, cols), lambda b, h, r, c: (b, h, 0, r, c)),
-            pl.BlockSpec((None, None, splits, None), lambda b, h, r, c: (b, h, 0, r)),
+            pl.BlockSpec((None, None, splits, None, H), lambda b, h, r: (b, h, 0, r, 0)),
+            pl.BlockSpec((None, None, splits, None), lambda b, h, r: (b, h, 0, r)),
         ],
-        out_specs=pl.BlockSpec((None, None, None, cols), lambda b, h, r, c: (b, r // G, h * G + r % G, c)),
+        out_specs=pl.BlockSpec((None, None, None, H), lambda b, h, r: (b, r // G, h * G + r % G, 0)),
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=config.merge_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="decode_attention_merge",
     )(o, lse)
@@ -183,9 +176,7 @@ def _decode(q, k_cache, v_cache, start, *, scale, interpret, config):
     )
     if num_splits == 1:
         return out
-    return _merge_call(
-        *out, jax.ShapeDtypeStruct(q.shape, q.dtype), num_splits=num_splits, config=config, interpret=interpret
-    )
+    return _merge_call(*out, jax.ShapeDtypeStruct(q.shape, q.dtype), num_splits=num_splits, interpret=interpret)
 
 
 def decode_attention(q, k_cache, v_cache, start, *, scale, interpret=False, **static_tuning):
