@@ -42,11 +42,11 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
     and measured in the sixth session: correct, level with the Triton kernel
     from batch 8, slower at batch 1 (24.9 against 21.9 us at 16k keys; its
     in-cluster merge costs 4-5 us). Not adopted; BENCHMARKS.md has the figures.
-  - The seventh session profiled it on the device: at batch 1 the best Mosaic
-    loop with no merge at all (128 CTAs) is within 1 us of the 80%-of-copy
-    budget at 16k keys (T=1) or past it (T=8), and every merge measured costs
-    more than that (distributed shared memory moves ~8 bytes/cycle into an SM;
-    a merge kernel of its own ~1.4 us; a global semaphore ~1.2 us). Same verdict.
+  - The seventh session profiled it on the device: at batch 1 and 16k keys the
+    best Mosaic loop with no merge at all (128 CTAs) leaves ~0.5 us of the
+    80%-of-copy budget at T=1 and none at T=4 or 8, and every merge measured
+    costs more (distributed shared memory moves ~8 bytes/cycle into an SM; a
+    merge kernel of its own ~1.4 us; a global semaphore ~1.2 us). Same verdict.
   - pallas_call(interpret=True) runs these kernels unchanged on the CPU through
     the generic interpreter, so every mask, split and row mapping is tested
     there (tests/test_pallas_attention.py).
