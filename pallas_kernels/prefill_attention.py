@@ -9,8 +9,7 @@ Tiles are launched longest first. One kernel launch per call.
 On the GPU the model prefers prefill_attention_mgpu (Mosaic GPU, 1.46x faster
 at 8k tokens); this kernel runs where that one cannot: in Pallas's interpreter
 on the CPU (the tests), on GPUs other than Hopper, on float32, on sizes it does
-not take. See the
-package docstring (pallas_kernels/__init__.py).
+not take. See the package docstring (pallas_kernels/__init__.py).
 """
 
 import dataclasses
