@@ -1,9 +1,9 @@
 """eagle3-jax: lossless EAGLE-3 speculative decoding of Qwen3 targets in JAX."""
 
-from eagle3_jax.checkpoint import Target, convert, load_target
-from eagle3_jax.config import Qwen3Config
-from eagle3_jax.drafter_checkpoint import Drafter, convert_drafter, load_drafter
-from eagle3_jax.engine import Engine, Result
+from eagle3_jax.checkpoints.target import Target, convert, load_target
+from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.checkpoints.drafter import Drafter, convert_drafter, load_drafter
+from eagle3_jax.decoding.engine import Engine, Result
 from eagle3_jax.errors import CheckpointError
 
 __all__ = [

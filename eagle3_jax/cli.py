@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.metadata
 import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.engine import ROUNDS_PER_CALL
-from eagle3_jax.kernels import CHOICES as KERNEL_CHOICES
+from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
+from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     gen.add_argument("--kernels", choices=KERNEL_CHOICES,
-                     help="hot-op implementation (eagle3_jax/kernels.py; default: pallas on a GPU, xla elsewhere)")
+                     help="hot-op implementation (eagle3_jax/models/kernels.py; default: pallas on a GPU, xla elsewhere)")
     gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     gen.set_defaults(func=_generate)
@@ -99,17 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     conv.add_argument("--drafter-of", metavar="TARGET", help="SRC is an EAGLE-3 drafter for this target folder")
     conv.set_defaults(func=_convert)
-    # `bench` hands its arguments to eagle3_jax.bench (see `eagle3-jax bench --help`).
-    sub.add_parser("bench", help="benchmark at Qwen3-8B shapes (tiny shapes on the CPU)", add_help=False)
+    # Sub-commands from outside the library (benchmarks/) take their own arguments: `eagle3-jax bench --help`.
+    for name in _plugin_commands():
+        sub.add_parser(name, help=f"{name} (from the installed '{_PLUGIN_GROUP}' entry points)", add_help=False)
     return parser
+
+
+_PLUGIN_GROUP = "eagle3_jax.commands"
+
+
+def _plugin_commands() -> dict:
+    """Sub-commands registered by other packages (pyproject.toml's entry points): `bench` comes from the
+    benchmarks package this way, so the library never imports benchmark code."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=_PLUGIN_GROUP)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from eagle3_jax import bench
-
-        return bench.main(argv[1:])
+    plugins = _plugin_commands()
+    if argv[:1] and argv[0] in plugins:
+        return plugins[argv[0]].load()(argv[1:])
     args = build_parser().parse_args(argv)
     from eagle3_jax.errors import CheckpointError
 

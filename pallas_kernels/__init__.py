@@ -23,7 +23,7 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
   cuDNN's 392 and Triton's 276 (fifth session; wall times agree at 8k and are
   noisy at 2k). The model takes it wherever it runs:
   on a Hopper GPU (wgmma), on bf16/f16 operands with head_dim 64 or 128 and
-  sizes that are multiples of 8 (eagle3_jax.attention.uses_mosaic_prefill).
+  sizes that are multiples of 8 (eagle3_jax.models.attention.uses_mosaic_prefill).
   Elsewhere (other GPUs, and the CPU tests) the Triton prefill kernel runs.
 - Decode/verify and the small fused kernels: Pallas's Triton backend
   (pl.pallas_call with pltriton.CompilerParams). Why:

@@ -8,7 +8,7 @@ does the three in one pass: one program per row, the whole row in registers.
 16 warps per program: at hidden 4096 on the H200 a call took 1.52 us against
 1.67 us with 4 warps (batch 1; 1.62 against 1.70 at batch 32; BENCHMARKS.md).
 
-Rounding follows transformers (and eagle3_jax.layers.rms_norm): the sum is
+Rounding follows transformers (and eagle3_jax.models.layers.rms_norm): the sum is
 rounded to x's dtype; the norm is taken in float32, cast back, then scaled.
 
 Lowering: Pallas' Triton backend, like the attention kernels (see

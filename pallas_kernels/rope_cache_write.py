@@ -14,11 +14,11 @@ doing all 48 heads took 2.6 us at batch 1 on the H200 (BENCHMARKS.md).
 rotate_half never slices a register tile: each head is loaded as its two
 halves, x1 = x[:H/2] and x2 = x[H/2:], and RoPE is out1 = x1 cos - x2 sin,
 out2 = x2 cos + x1 sin (cos and sin repeat over the two halves, as
-eagle3_jax.layers.rope_tables builds them). The last program's rows past the
+eagle3_jax.models.layers.rope_tables builds them). The last program's rows past the
 last head repeat it and are never stored. A token at a position past the
 cache's capacity writes nothing (like kv_cache.write).
 
-Rounding follows eagle3_jax.layers: norm in float32, cast, scale; each RoPE
+Rounding follows eagle3_jax.models.layers: norm in float32, cast, scale; each RoPE
 product and sum in the inputs' dtype.
 
 Lowering: Pallas' Triton backend, like the attention kernels (see

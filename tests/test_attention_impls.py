@@ -1,4 +1,4 @@
-"""The model with each kernel choice (eagle3_jax/kernels.py; the Pallas kernels in interpret mode on
+"""The model with each kernel choice (eagle3_jax/models/kernels.py; the Pallas kernels in interpret mode on
 the CPU) against the model with XLA's: same logits, same greedy and speculative output. The kernels
 themselves are checked against their references in test_pallas_attention.py and test_fused_kernels.py."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import eagle3_jax
-from eagle3_jax import target as target_lib
-from eagle3_jax.kernels import CHOICES
+from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.kernels import CHOICES
 
 import drafter_oracle as oracle
 from hf_models import build_model, save_model

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eagle3_jax import bench, measure
+from benchmarks import bench, measure
 
 
 def test_bench_smoke(tmp_path):
@@ -51,7 +51,7 @@ def test_agreement_and_margin(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from eagle3_jax import target as target_lib
+    from eagle3_jax.models import qwen3 as target_lib
 
     b = bench.Bench(bench.tiny_plan(), ("xla", "pallas"), budget_s=600, dtype=jnp.float32, out=tmp_path)
     b.agreement(gamma=2, new_tokens=5)

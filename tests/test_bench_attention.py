@@ -1,4 +1,4 @@
-"""pallas_kernels/bench_attention.py in its dry-run mode (tiny shapes, float32, interpret mode): every
+"""benchmarks/bench_attention.py in its dry-run mode (tiny shapes, float32, interpret mode): every
 section runs and each kernel result it reports matches the reference."""
 
 import json
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_attention_bench_dry_run(tmp_path):
     env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(REPO / "pallas_kernels" / "bench_attention.py")], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_attention"], env=env, check=True,
                    capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "bench_attention.json").read_text())
     assert {r["kind"] for r in rows} == {"ceilings", "sweep", "prefill", "decode"}
@@ -30,7 +30,7 @@ def test_sweep_takes_shapes_and_tunings_from_the_environment(tmp_path):
     tunings = [{"block_k": 16, "num_splits": 2}, {"block_k": 32}]
     env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO),
            "SWEEP_SHAPES": "[[2, 40, 4]]", "SWEEP_TUNINGS": json.dumps(tunings)}
-    subprocess.run([sys.executable, str(REPO / "pallas_kernels" / "bench_attention.py"), "sweep"], env=env,
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "sweep"], env=env,
                    check=True, capture_output=True, timeout=600)
     rows = [r for r in json.loads((tmp_path / "bench_attention.json").read_text()) if r["kind"] == "sweep"]
     assert [(r["B"], r["L"], r["T"], r["tuning"]) for r in rows] == [(2, 40, 4, t) for t in tunings]

@@ -1,5 +1,5 @@
 """The fused Pallas kernels (interpret mode) against the plain-jnp ops they replace
-(eagle3_jax.layers / attention with kernels="xla"). Random inputs; interpret mode starts outputs as
+(eagle3_jax.models.layers / attention with kernels="xla"). Random inputs; interpret mode starts outputs as
 NaN, so a finite output was fully written; cache slots the kernel must not touch hold NaN or random
 data and must come back bit for bit."""
 
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.attention import rotate_and_cache
-from eagle3_jax.layers import add_rms_norm
+from eagle3_jax.models.attention import rotate_and_cache
+from eagle3_jax.models.layers import add_rms_norm
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
 from pallas_kernels import rope_cache_write
 

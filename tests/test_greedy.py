@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import eagle3_jax
-from eagle3_jax import engine as engine_lib
+from benchmarks.measure import count_compilations
 
 from hf_models import build_model, save_model
 
@@ -73,56 +73,56 @@ def test_prompt_filling_max_len_gives_nothing(model_and_target):
         ([[1]], {"stop_token_ids": [999]}, "stop token id 999"),
     ],
 )
-def test_bad_requests_raise_before_device_work(model_and_target, monkeypatch, prompts, kwargs, message):
+def test_bad_requests_raise_before_device_work(model_and_target, prompts, kwargs, message):
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=32)
-    monkeypatch.setattr(engine, "_prefill", lambda *a: pytest.fail("device work started"))
-    with pytest.raises(ValueError, match=message):
-        engine.generate(prompts, **{"max_new_tokens": 4, **kwargs})
-    with pytest.raises(ValueError, match=message):
-        engine.stream(prompts, **{"max_new_tokens": 4, **kwargs})  # at the call, not at the first chunk
+    engine.generate([[1, 2]], 2)
+    with count_compilations() as compiles:
+        with pytest.raises(ValueError, match=message):
+            engine.generate(prompts, **{"max_new_tokens": 4, **kwargs})
+        with pytest.raises(ValueError, match=message):
+            engine.stream(prompts, **{"max_new_tokens": 4, **kwargs})  # at the call, not at the first chunk
+    assert engine.device_events == [] and compiles.count == 0
 
 
-def test_step_compiles_once_and_transfers_once_per_call(model_and_target, monkeypatch):
+def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_target):
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call
-    fetches, calls = [], []
-    real_fetch, real_round = engine_lib._fetch, engine._round
-    monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real_fetch(x))
-    engine._round = lambda *args: calls.append(1) or real_round(*args)
-    with jax.transfer_guard("disallow"):  # any implicit transfer raises
+    engine.generate([[1, 2]], 12)  # compiles prefill (bucket 16) and the call of rounds
+    with jax.transfer_guard("disallow"), count_compilations() as compiles:  # any implicit transfer raises
         first = engine.generate(PROMPTS, max_new_tokens=12)
-        second = engine.generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
-    assert real_round._cache_size() == 1
-    # The third call leaves at most 4 tokens per row: it ends every row, so no fourth call is dispatched.
-    assert len(calls) == 2 * 3
-    assert engine._prefill._cache_size() == 2  # one per prompt-length bucket (16 and 32)
-    # prefill, then one fetch per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls, each generate
-    assert fetches == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)] * 2
+        first_events = engine.device_events
+        second = eagle3_jax.Engine(tgt, max_len=128).generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
+    # Only the new batch size (3) and the second prefill bucket (32) compile: the second Engine, of the same
+    # configuration, reuses the first's programs.
+    assert compiles.count == 3
+    with count_compilations() as compiles:
+        again = eagle3_jax.Engine(tgt, max_len=128).generate(PROMPTS, max_new_tokens=12)
+    assert compiles.count == 0 and again == first
+    # prefill, then one transfer per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls; the third
+    # call leaves at most 4 tokens per row, so no fourth call is dispatched.
+    transfers = [shape for kind, shape in first_events if kind == "transfer"]
+    assert transfers == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)]
+    assert [kind for kind, _ in first_events].count("call") == 3
     assert [len(r.token_ids) for r in first + second] == [12] * 6
 
 
-def test_next_call_dispatched_early_only_when_needed(model_and_target, monkeypatch):
+def test_next_call_dispatched_early_only_when_needed(model_and_target):
     """While some row surely needs another call, it is dispatched before this call's tokens are fetched
     (the device never waits on the host); near the end it is dispatched only if the tokens say so."""
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call, 1 token per round
-    events = []
-    real_fetch, real_round = engine_lib._fetch, engine._round
-    monkeypatch.setattr(engine_lib, "_fetch", lambda x: events.append("fetch") or real_fetch(x))
-    engine._round = lambda *args: events.append("call") or real_round(*args)
     for max_new, expected in [
         # 12 tokens: prefill + 11 rounds; 7 tokens are left when call 2 is fetched: call 3 went early.
-        (12, ["fetch", "call", "call", "fetch", "call", "fetch", "fetch"]),
+        (12, ["transfer", "call", "call", "transfer", "call", "transfer", "transfer"]),
         # 6 tokens: prefill + 5 rounds; 5 left when call 1 is fetched, which can emit 4: call 2 is
         # dispatched once call 1's tokens show rows still running.
-        (6, ["fetch", "call", "call", "fetch", "fetch"]),
-        (2, ["fetch", "call", "fetch"]),
+        (6, ["transfer", "call", "call", "transfer", "transfer"]),
+        (2, ["transfer", "call", "transfer"]),
     ]:
-        events.clear()
         results = engine.generate(PROMPTS, max_new_tokens=max_new)
         assert [len(r.token_ids) for r in results] == [max_new] * 3
-        assert events == expected, max_new
+        assert [kind for kind, _ in engine.device_events] == ["prefill"] + expected, max_new
 
 
 def test_engine_refuses_bad_settings(model_and_target):

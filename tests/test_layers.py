@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from eagle3_jax.layers import linear, matvec_by_rows
+from eagle3_jax.models.layers import linear, matvec_by_rows
 
 
 def lowered(platform, x, w) -> str:

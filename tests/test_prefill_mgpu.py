@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from eagle3_jax import attention, kernels
-from eagle3_jax.attention import uses_mosaic_prefill
+from eagle3_jax.models import attention, kernels
+from eagle3_jax.models.attention import uses_mosaic_prefill
 from pallas_kernels.prefill_attention_mgpu import (
     BLOCK_Q,
     MosaicPrefillConfig,

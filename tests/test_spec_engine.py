@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import eagle3_jax
-from eagle3_jax import engine as engine_lib
+from benchmarks.measure import count_compilations
+from eagle3_jax.decoding import engine as engine_lib
 
 import drafter_oracle as oracle
 import spec_worlds as worlds
@@ -120,12 +121,6 @@ def test_cache_edge(world, gamma, drafter_kind, target_kind):
             assert g.accept_lengths == expected_accepts
 
 
-def test_seed_review_case(world):
-    target, drafter = world["t:constant"][1], world["d:constant"][2]
-    (result,) = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=100).generate([[1] * 97], 10)
-    assert result.token_ids == [0, 0, 0] and result.accept_lengths == [1]
-
-
 def test_stops_and_max_new_inside_accepted_spans(world):
     target, drafter = world["t:permutation"][1], world["d:pi2"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
@@ -144,40 +139,36 @@ def test_round_updates_caches_in_place(world):
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
     inputs, _ = engine._prepare(PROMPTS, 8, ())
-    state, _ = engine._prefill(target.params, drafter.params, *inputs)
-    new_state, _ = engine._round(target.params, drafter.params, state)
+    state, _ = engine_lib.jit_prefill(target.params, drafter.params, *inputs, spec=engine.spec)
+    new_state, _ = engine_lib.jit_rounds(target.params, drafter.params, state, spec=engine.spec, num_rounds=4)
     assert all(x.is_deleted() for x in state.target_cache.k + state.target_cache.v + state.draft_cache.k)
     assert not any(x.is_deleted() for x in new_state.target_cache.k)
 
 
-def test_one_transfer_per_call_and_no_recompile(world, monkeypatch):
+def test_one_transfer_per_call_and_no_recompile(world):
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
-    fetches = []
-    real = engine_lib._fetch
-    monkeypatch.setattr(engine_lib, "_fetch", lambda x: fetches.append(x.shape) or real(x))
-    with jax.transfer_guard("disallow"):
+    engine.generate(PROMPTS, 16)
+    with jax.transfer_guard("disallow"), count_compilations() as compiles:
         results = engine.generate(PROMPTS, 16)
+        transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
         rounds = max(len(r.accept_lengths) for r in results)
         calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 4] per call
-        assert fetches == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
-        engine.generate([[5, 6], [1], [2, 3, 4]], 16)
-    assert engine._round._cache_size() == 1
+        assert transfers == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+        engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # another prompt-length bucket: prefill compiles
+    assert compiles.count == 1
 
 
-def test_no_call_runs_in_vain_at_the_end(world, monkeypatch):
+def test_no_call_runs_in_vain_at_the_end(world):
     """With 2 tokens a round (pi2: d_1 accepted), a call of 4 rounds emits 8 tokens while the host must
     allow for 16: the early dispatch stops while a call could end every row, and each call dispatched is
     needed. The fourth call is dispatched only once the third's tokens are fetched."""
     target, drafter = world["t:permutation"][1], world["d:pi2"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
-    events = []
-    real_fetch, real_round = engine_lib._fetch, engine._round
-    monkeypatch.setattr(engine_lib, "_fetch", lambda x: events.append("fetch") or real_fetch(x))
-    engine._round = lambda *args: events.append("call") or real_round(*args)
     (result,) = engine.generate([PROMPTS[0]], 30)
     assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
-    assert events == ["fetch", "call", "call", "fetch", "call", "fetch", "fetch", "call", "fetch"]
+    assert [kind for kind, _ in engine.device_events] == [
+        "prefill", "transfer", "call", "call", "transfer", "call", "transfer", "transfer", "call", "transfer"]
 
 
 @pytest.mark.parametrize("rounds_per_call", [1, 2, 5])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import eagle3_jax
-from eagle3_jax import target as target_lib
+from eagle3_jax.models import qwen3 as target_lib
 
 from hf_models import CONFIGS, build_model, save_model
 

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from eagle3_jax.config import read_json
+from eagle3_jax.models.config import read_json
 from eagle3_jax.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -3,6 +3,7 @@ and the jitted step functions it times (each donates its last argument, the stat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import shutil
@@ -13,10 +14,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import drafter as drafter_lib
-from eagle3_jax import layers
-from eagle3_jax import target as target_lib
-from eagle3_jax.kv_cache import KVCache
+from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import layers
+from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.kv_cache import KVCache
 
 
 def random_tree(abstract, seed: int):
@@ -112,10 +113,30 @@ def kernel_groups(kernel_times: dict[str, list]) -> dict[str, float]:
     return out
 
 
-def compile_timed(jitted, *args):
+def compile_timed(jitted, *args, **static):
     start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args, **static).compile()
     return compiled, time.perf_counter() - start
+
+
+class count_compilations(contextlib.ContextDecorator):
+    """Counts XLA backend compilations inside a `with` block (JAX's own monitoring event, not timing)."""
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+        return False
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 
 
 def measure_copy_bandwidth(nbytes: int) -> dict:

@@ -1,23 +1,25 @@
 """The host side: validate requests, prefill, then one jitted call of `rounds_per_call` rounds after another.
 
-Each call's outputs come back in one small device-to-host transfer (`_fetch`). While some row surely
-needs another call, it is dispatched before that transfer is waited on, so the device does not idle on
-the host; near the end it is dispatched only if the tokens say so. Stop checks run on the device; rounds
-run after every row is done change nothing and are dropped.
+Each call's outputs come back in one small device-to-host transfer. While some row surely needs another
+call, it is dispatched before that transfer is waited on, so the device does not idle on the host; near
+the end it is dispatched only if the tokens say so. Stop checks run on the device; rounds run after every
+row is done change nothing and are dropped. `Engine.device_events` records what the latest request did.
+
+The jitted steps are module-level: their static configuration (`StepSpec`) is a hashable argument, so
+every Engine of the same configuration, and every request of the same shapes, reuses one compilation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
-from eagle3_jax import kernels as kernels_lib
-from eagle3_jax import spec_round
-from eagle3_jax.checkpoint import Target
+from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.decoding import spec_round
+from eagle3_jax.checkpoints.target import Target
 
 _MIN_PREFILL_BUCKET = 16
 _STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
@@ -41,9 +43,9 @@ class Result:
     rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    """The engine's only device-to-host transfer: one int32 array per call (prefill, or a call of rounds)."""
-    return jax.device_get(x)
+# Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
+jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",))
+jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +97,27 @@ class Engine:
             max_len=max_len,
             kernels=kernels,
         )
-        self._prefill = jax.jit(functools.partial(spec_round.prefill, spec=self._spec))
-        self._round = jax.jit(
-            functools.partial(spec_round.spec_rounds, spec=self._spec, num_rounds=self._rounds_per_call),
-            donate_argnums=(2,),
-        )
+        self.device_events: list[tuple[str, tuple[int, ...]]] = []
+
+    def _call_prefill(self, *inputs):
+        self.device_events.append(("prefill", ()))
+        return jit_prefill(self.target.params, self._draft_params, *inputs, spec=self._spec)
+
+    def _call_rounds(self, state):
+        """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
+        self.device_events.append(("call", (self._rounds_per_call,)))
+        return jit_rounds(self.target.params, self._draft_params, state, spec=self._spec,
+                       num_rounds=self._rounds_per_call)
+
+    def _fetch(self, packed: jax.Array) -> np.ndarray:
+        """The engine's only device-to-host transfer: one int32 array per call (prefill, or a call of rounds)."""
+        self.device_events.append(("transfer", tuple(packed.shape)))
+        return jax.device_get(packed)
+
+    @property
+    def spec(self) -> spec_round.StepSpec:
+        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for."""
+        return self._spec
 
     @property
     def rounds_per_call(self) -> int:
@@ -142,11 +160,12 @@ class Engine:
     def _rounds(self, inputs, budget: np.ndarray):
         """Yields (round output, which rows were live in a speculative round) for prefill and each round.
         budget: the most tokens each row can emit (max_new_tokens, or the room left below max_len)."""
-        state, packed = self._prefill(self.target.params, self._draft_params, *inputs)
-        out = _RoundOutput.unpack(_fetch(packed))
+        self.device_events = []
+        state, packed = self._call_prefill(*inputs)
+        out = _RoundOutput.unpack(self._fetch(packed))
         yield out, [False] * len(out.tokens)
         left = budget - np.array([len(t) for t in out.tokens])
-        pending = self._round(self.target.params, self._draft_params, state) if not out.done.all() else None
+        pending = self._call_rounds(state) if not out.done.all() else None
         most_per_call = self.rounds_per_call * (self.num_draft_tokens + 1)
         while pending is not None:
             state, packed = pending
@@ -155,8 +174,8 @@ class Engine:
             # pause of one dispatch instead of a call of rounds run in vain. A stop token can still waste one.
             following = None
             if np.any((left > most_per_call) & ~out.done):
-                following = self._round(self.target.params, self._draft_params, state)
-            for round_packed in _fetch(packed):
+                following = self._call_rounds(state)
+            for round_packed in self._fetch(packed):
                 speculative_rows = ~out.done & (self.drafter is not None)
                 out = _RoundOutput.unpack(round_packed)
                 left -= np.array([len(t) for t in out.tokens])
@@ -166,8 +185,7 @@ class Engine:
             if out.done.all():
                 pending = None
             else:
-                pending = following if following is not None else self._round(
-                    self.target.params, self._draft_params, state)
+                pending = following if following is not None else self._call_rounds(state)
 
     def _prepare(self, prompts, max_new_tokens, stop_token_ids):
         """Checks the request on the host and builds the device inputs; raises ValueError before any device work.

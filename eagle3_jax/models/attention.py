@@ -1,7 +1,7 @@
 """Grouped-query attention of T new queries against a KV cache: the one place a kernel plugs in.
 
 Query t of row b sits at position start[b] + t and sees cache entries s <= start[b] + t; the new
-tokens' K/V are already in the cache. `kernels` (see eagle3_jax/kernels.py) picks plain jnp (the
+tokens' K/V are already in the cache. `kernels` (see eagle3_jax/models/kernels.py) picks plain jnp (the
 reference and the CPU path) or the Pallas GPU kernels in `pallas_kernels/`.
 """
 
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from eagle3_jax import kernels as kernels_lib
-from eagle3_jax import kv_cache
-from eagle3_jax.layers import apply_rope, rms_norm
+from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.models import kv_cache
+from eagle3_jax.models.layers import apply_rope, rms_norm
 
 _DECODE_KERNEL_MAX_TOKENS = 16  # decode/verify/rebuild steps; longer runs (prefill) use the flash kernel
 

@@ -1,6 +1,6 @@
 """Benchmark of the Pallas attention kernels on one GPU (one device call).
 
-  PYTHONPATH=. python3 pallas_kernels/bench_attention.py [sections...]
+  PYTHONPATH=. python3 -m benchmarks.bench_attention [sections...]
 
 Sections (default all): sweep, mosaic_check, prefill, decode; the ceilings always run.
 Prints a line per measurement and writes every row to
@@ -34,8 +34,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import measure
-from eagle3_jax.attention import xla_attention
+from benchmarks import measure
+from eagle3_jax.models.attention import xla_attention
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 

@@ -17,11 +17,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import drafter as drafter_lib
-from eagle3_jax import target as target_lib
-from eagle3_jax.config import Qwen3Config
-from eagle3_jax.drafter import DrafterConfig
-from eagle3_jax.kv_cache import KVCache
+from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -45,7 +45,7 @@ class StepSpec:
     drafter: DrafterConfig | None
     gamma: int
     max_len: int
-    kernels: str  # see eagle3_jax/kernels.py
+    kernels: str  # see eagle3_jax/models/kernels.py
 
     @property
     def capture_layers(self) -> tuple[int, ...]:

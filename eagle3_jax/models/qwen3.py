@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import kv_cache
-from eagle3_jax.attention import attend, rotate_and_cache
-from eagle3_jax.config import Qwen3Config
-from eagle3_jax.layers import add_rms_norm, gated_mlp, linear, rope_tables
+from eagle3_jax.models import kv_cache
+from eagle3_jax.models.attention import attend, rotate_and_cache
+from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
 
 Params = dict
 

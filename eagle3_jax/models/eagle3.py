@@ -15,10 +15,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax import kv_cache
-from eagle3_jax.attention import attend, rotate_and_cache
-from eagle3_jax.config import RopeConfig
-from eagle3_jax.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.models import kv_cache
+from eagle3_jax.models.attention import attend, rotate_and_cache
+from eagle3_jax.models.config import RopeConfig
+from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)

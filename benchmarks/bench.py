@@ -28,15 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import drafter as drafter_lib
-from eagle3_jax import kernels as kernels_lib
-from eagle3_jax import measure, spec_round
-from eagle3_jax import target as target_lib
-from eagle3_jax.checkpoint import Target
-from eagle3_jax.config import Qwen3Config, RopeConfig
-from eagle3_jax.drafter import DrafterConfig
-from eagle3_jax.drafter_checkpoint import Drafter
-from eagle3_jax.engine import ROUNDS_PER_CALL, Engine
+from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import kernels as kernels_lib
+from benchmarks import measure
+from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import spec_round
+from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.models.config import Qwen3Config, RopeConfig
+from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.checkpoints.drafter import Drafter
+from eagle3_jax.decoding.engine import ROUNDS_PER_CALL, Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +293,8 @@ class Bench:
         engine = Engine(self.target, drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels,
                         rounds_per_call=rounds_per_call)
         state = decode_state(self.plan, batch, length, capacity, self.dtype, with_drafter=drafter is not None)
-        compiled, compile_s = measure.compile_timed(engine._round, self.tparams, dparams, state)
+        compiled, compile_s = measure.compile_timed(engine_lib.jit_rounds, self.tparams, dparams, state,
+                                                    spec=engine.spec, num_rounds=rounds_per_call)
 
         def call(s):
             return compiled(self.tparams, dparams, s)
@@ -390,23 +393,15 @@ class Bench:
 
     def engine_generate(self, gamma: int, kernels: str, new_tokens: int) -> None:
         """The engine end to end: transfers per call of rounds counted, no implicit transfer allowed."""
-        from eagle3_jax import engine as engine_lib
-
         engine = Engine(self.target, self.drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels,
                         rounds_per_call=self.rounds_per_call)
-        fetches = []
-        real_fetch = engine_lib._fetch
-        engine_lib._fetch = lambda x: fetches.append(x.shape) or real_fetch(x)
-        try:
-            prompt = [list(range(5, 5 + 16))]
-            engine.generate(prompt, 4)  # compile
-            fetches.clear()
-            with jax.transfer_guard("disallow"):
-                start = time.perf_counter()
-                (result,) = engine.generate(prompt, new_tokens)
-                seconds = time.perf_counter() - start
-        finally:
-            engine_lib._fetch = real_fetch
+        prompt = [list(range(5, 5 + 16))]
+        engine.generate(prompt, 4)  # compile
+        with jax.transfer_guard("disallow"), measure.count_compilations() as compilations:
+            start = time.perf_counter()
+            (result,) = engine.generate(prompt, new_tokens)
+            seconds = time.perf_counter() - start
+        fetches = [shape for kind, shape in engine.device_events if kind == "transfer"]
         rounds = len(result.accept_lengths)
         self.results["engine"] = {
             "gamma": gamma, "kernels": kernels, "tokens": len(result.token_ids), "rounds": rounds,
@@ -415,7 +410,7 @@ class Bench:
             # prefill, then each call of rounds_per_call rounds
             "transfers_per_call": len(fetches) / (1 + -(-rounds // engine.rounds_per_call)),
             "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
-            "round_compilations": engine._round._cache_size(),
+            "compilations_in_the_timed_request": compilations.count,
         }
         self.log(f"engine {json.dumps(self.results['engine'])}")
         self.save()
@@ -591,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-jax bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
     parser.add_argument("--kernels", nargs="+", choices=kernels_lib.CHOICES,
-                        help="kernel choices to compare (see eagle3_jax/kernels.py; the first is used throughout)")
+                        help="kernel choices to compare (see eagle3_jax/models/kernels.py; the first is used throughout)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax import safetensors_io, target
-from eagle3_jax.config import Qwen3Config, read_json
+from eagle3_jax.checkpoints import safetensors_io
+from eagle3_jax.models import qwen3
+from eagle3_jax.models.config import Qwen3Config, read_json
 from eagle3_jax.errors import CheckpointError
 
 ORBAX_MARKER = "eagle3_jax.json"  # present in folders written by `convert`
@@ -132,7 +133,7 @@ def _load_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict:
     if marker.get("format_version") != _FORMAT_VERSION:
         raise CheckpointError(f"{folder / ORBAX_MARKER}: unknown format_version {marker.get('format_version')!r}")
     stored = jnp.dtype(marker.get("dtype", "bfloat16"))
-    params = restore_params(folder, target.abstract_params(cfg, stored))
+    params = restore_params(folder, qwen3.abstract_params(cfg, stored))
     return params if stored == dtype else jax.tree.map(lambda x: x.astype(dtype), params)
 
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from eagle3_jax import kernels as kernels_lib
-from eagle3_jax.config import RopeConfig
+from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.models.config import RopeConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
