@@ -1,0 +1,1 @@
+"""Training EAGLE-3 drafters: data, draft vocabulary, the training-time test, the trainer, regeneration."""
