@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m eagle3_jax.demo
 
+# ruff first (seconds), then the suite; pytest's last line gives its time, --durations the slowest tests.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q --durations=15 tests
 	$(MAKE) --no-print-directory test-gpu-jax
 
 $(GPU_JAX_STAMP): Makefile  # the venv's pins are here

@@ -8,7 +8,7 @@ whole speculative rounds, plus compile times, transfers per call and the peer a 
 instead (transformers `generate`, eager). On the CPU it runs the same code at tiny shapes (a smoke
 test). Prints a table, writes bench.json and bench.png under --out.
 
-Timing (METHOD.md): warm-up, then the median over `reps` of `inner` back-to-back calls each,
+Timing: warm-up, then the median over `reps` of `inner` back-to-back calls each,
 synchronised with block_until_ready; random data, never zeros; functions are compiled ahead of the
 timed region (`lower().compile()`), so nothing can recompile inside it. Spec-off steps and whole rounds
 are timed as the engine runs them, `--rounds-per-call` rounds to a call, and reported per round.
@@ -28,17 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models import eagle3 as drafter_lib
-from eagle3_jax.models import kernels as kernels_lib
 from benchmarks import measure
+from eagle3_jax.checkpoints.drafter import Drafter
+from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.engine import ROUNDS_PER_CALL, Engine
+from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
-from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.models.config import Qwen3Config, RopeConfig
 from eagle3_jax.models.eagle3 import DrafterConfig
-from eagle3_jax.checkpoints.drafter import Drafter
-from eagle3_jax.decoding.engine import ROUNDS_PER_CALL, Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,12 +289,14 @@ class Bench:
         """Compiles and times the engine's call of rounds_per_call rounds (spec-off when gamma is 0) from a
         random state at `length`: (the call on a state, executable, compile seconds, seconds per round,
         the state it leaves)."""
-        drafter, dparams = (self.drafter, self.dparams) if gamma else (None, None)
-        engine = Engine(self.target, drafter, num_draft_tokens=gamma, max_len=capacity, kernels=kernels,
-                        rounds_per_call=rounds_per_call)
-        state = decode_state(self.plan, batch, length, capacity, self.dtype, with_drafter=drafter is not None)
+        dparams = self.dparams if gamma else None
+        # The engine's own jitted call, built from its StepSpec directly: the ablation kernels
+        # (kernels_lib.ABLATION) are the model's to run, not Engine's to offer.
+        spec = spec_round.StepSpec(target=self.plan.target, drafter=self.plan.drafter if gamma else None,
+                                   gamma=gamma, max_len=capacity, kernels=kernels)
+        state = decode_state(self.plan, batch, length, capacity, self.dtype, with_drafter=gamma > 0)
         compiled, compile_s = measure.compile_timed(engine_lib.jit_rounds, self.tparams, dparams, state,
-                                                    spec=engine.spec, num_rounds=rounds_per_call)
+                                                    spec=spec, num_rounds=rounds_per_call)
 
         def call(s):
             return compiled(self.tparams, dparams, s)
@@ -550,7 +552,7 @@ def summary(results: dict) -> str:
         e = results["engine"]
         lines.append(f"engine: {e['transfers_per_call']:.2f} device-to-host transfers per call of "
                      f"{e['rounds_per_call']} rounds, "
-                     f"{e['round_compilations']} round compilation(s), "
+                     f"{e['compilations_in_the_timed_request']} compilation(s) in the timed request, "
                      f"{e['tokens_per_s']:.1f} tok/s at tau {e['tau']:.2f}")
     for name, rows in results.get("agreement", {}).items():
         lines.append(f"agreement {name}: " + "; ".join(
@@ -583,10 +585,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Leave GPU memory to the transformers peer measured in the same process (read when the backend starts).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     parser = argparse.ArgumentParser(prog="eagle3-jax bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
-    parser.add_argument("--kernels", nargs="+", choices=kernels_lib.CHOICES,
-                        help="kernel choices to compare (see eagle3_jax/models/kernels.py; the first is used throughout)")
+    parser.add_argument("--kernels", nargs="+", choices=kernels_lib.CHOICES + (kernels_lib.ABLATION,),
+                        help="kernel choices to compare (eagle3_jax/models/kernels.py; the first is used throughout)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench.json and bench.png")
     parser.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
@@ -643,6 +647,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Leave GPU memory to the transformers peer measured in the same process.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     raise SystemExit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.metadata
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,28 @@ def _tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def _use_compile_cache(folder: str | None) -> None:
+    """JAX's persistent compilation cache in `folder` (None: off), so that a second run of the same command
+    loads its compiled programs instead of compiling them again."""
+    if folder is None:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(Path(folder).expanduser()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program, even a fast one
+
+
+def _default_cache_dir() -> str | None:
+    """$EAGLE3_JAX_COMPILE_CACHE when set (empty: off), else eagle3_jax/xla in the user's cache folder."""
+    if "EAGLE3_JAX_COMPILE_CACHE" in os.environ:
+        return os.environ["EAGLE3_JAX_COMPILE_CACHE"] or None
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "xla")
+
+
 def _generate(args) -> int:
     import eagle3_jax
 
+    _use_compile_cache(None if args.no_compile_cache else args.compile_cache)
     target = eagle3_jax.load_target(args.target, dtype=args.dtype)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
     tokenizer = _tokenizer(Path(args.target))
@@ -90,9 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     gen.add_argument("--kernels", choices=KERNEL_CHOICES,
-                     help="hot-op implementation (eagle3_jax/models/kernels.py; default: pallas on a GPU, xla elsewhere)")
+                     help="hot-op implementation (eagle3_jax/models/kernels.py; default: pallas on a GPU, "
+                          "xla elsewhere)")
     gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
+    gen.add_argument("--compile-cache", default=_default_cache_dir(), metavar="DIR",
+                     help="JAX's persistent compilation cache: a second run of the same command compiles nothing "
+                          "(default: $EAGLE3_JAX_COMPILE_CACHE, else %(default)s)")
+    gen.add_argument("--no-compile-cache", action="store_true", help="compile every time, write no cache")
     gen.set_defaults(func=_generate)
     conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")
     conv.add_argument("src")

@@ -16,37 +16,34 @@ start .. start + T - 1; start [B] int32. The kernels read keys below start + T
 it asks for finite slots past start + T), clamp rows with start + T > S, and
 run one or two kernel launches per call, with no XLA ops around them.
 
-Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
+Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design decisions):
 - Prefill: Mosaic GPU (TMA + wgmma, FlashAttention-3's warp-specialised
   pipeline), prefill_attention_mgpu. Kernel time at 8k tokens: 571 TFLOP/s,
   cuDNN's rate (570) and 1.46x the Triton kernel's (391); at 2k: 399 against
-  cuDNN's 392 and Triton's 276 (fifth session; wall times agree at 8k and are
-  noisy at 2k). The model takes it wherever it runs:
-  on a Hopper GPU (wgmma), on bf16/f16 operands with head_dim 64 or 128 and
-  sizes that are multiples of 8 (eagle3_jax.models.attention.uses_mosaic_prefill).
-  Elsewhere (other GPUs, and the CPU tests) the Triton prefill kernel runs.
+  cuDNN's 392 and Triton's 276. The model takes it wherever it runs: on a
+  Hopper GPU (wgmma), on bf16/f16 operands with head_dim 64 or 128 and sizes
+  that are multiples of 8 (eagle3_jax.models.attention.uses_mosaic_prefill).
+  Elsewhere (other GPUs, float32, and the CPU tests) the Triton prefill kernel runs.
 - Decode/verify and the small fused kernels: Pallas's Triton backend
   (pl.pallas_call with pltriton.CompilerParams). Why:
   - Decode is bandwidth-bound and the Triton kernel reads K/V at or above the
     copy rate from batch 8 and 16k keys; faster than plain XLA at all 36
     decode/verify shapes of the benchmark.
-  - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: the
-    third session's add_rms_norm in Mosaic GPU was slower (1.90 against 1.67 us
-    of kernel time; 0.655 against 0.502 ms for a jit of 72 calls).
+  - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel:
+    add_rms_norm in Mosaic GPU is slower (1.90 against 1.67 us of kernel time;
+    0.655 against 0.502 ms for a jit of 72 calls).
   - Masked loads with a dynamic trip count (scf.for, software-pipelined by
     Triton's num_stages) give exactly "read keys < start + T, never garbage",
     where the TMA moves fixed boxes; and wgmma wants 64-row tiles where decode
     has T * G = 4..32 query rows.
-  - A Mosaic GPU decode kernel whose split-K CTAs form a thread-block cluster
-    and merge through distributed shared memory (no second launch) was built
-    and measured in the sixth session: correct, level with the Triton kernel
-    from batch 8, slower at batch 1 (24.9 against 21.9 us at 16k keys; its
-    in-cluster merge costs 4-5 us). Not adopted; BENCHMARKS.md has the figures.
-  - The seventh session profiled it on the device: at batch 1 and 16k keys the
-    best Mosaic loop with no merge at all (128 CTAs) leaves ~0.5 us of the
-    80%-of-copy budget at T=1 and none at T=4 or 8, and every merge measured
-    costs more (distributed shared memory moves ~8 bytes/cycle into an SM; a
-    merge kernel of its own ~1.4 us; a global semaphore ~1.2 us). Same verdict.
+  - A Mosaic GPU decode kernel whose split-K CTAs merge inside a thread-block
+    cluster (no second launch) is correct and level with the Triton kernel from
+    batch 8 but slower at batch 1 (24.9 against 21.9 us at 16k keys: the
+    in-cluster merge costs 4-5 us). The best Mosaic loop with no merge at all
+    (128 CTAs) already takes 19.1 / 19.9 / 20.6 us at T = 1 / 4 / 8, and every
+    merge measured costs more than the rest of an 80%-of-copy budget
+    (distributed shared memory ~8 bytes/cycle into an SM; a merge kernel of
+    its own ~1.4 us; a global semaphore ~1.2 us).
   - pallas_call(interpret=True) runs these kernels unchanged on the CPU through
     the generic interpreter, so every mask, split and row mapping is tested
     there (tests/test_pallas_attention.py).
@@ -56,15 +53,17 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md):
   selects it although jax_pallas_use_mosaic_gpu now defaults to True. Our
   Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in jax
   0.11.2 XLA builds them from the thunk sequence, where each call is a plain
-  kernel thunk (third session).
+  kernel thunk.
+- Tunings depend on the dtype: the defaults fill Hopper's shared memory with
+  2-byte tiles, and 4-byte (float32) operands take half the keys per step
+  (DecodeConfig.for_dtype, PrefillConfig.for_dtype).
 Testing the Mosaic GPU kernel: jax 0.10.2's Mosaic GPU interpreter cannot run a
 tensor-core attention step (pl.run_state, transposed and swizzled shared-memory
-refs are unsupported there; the probes are in commit 8d072de). So its tiling
-plan and mask are plain functions that the CPU tests walk against the
-reference's visibility, the tests lower the whole kernel for CUDA (under jax
-0.10.2 and, in make test's second venv, the GPU image's 0.11.2), and
-bench_attention.py's mosaic_check compares it with the reference on the GPU
-(prefill_attention_mgpu's docstring).
+refs are unsupported there). So its tiling plan and mask are plain functions
+that the CPU tests walk against the reference's visibility, the tests lower the
+whole kernel for CUDA (under jax 0.10.2 and, in make test's second venv, the GPU
+image's 0.11.2), and tests/test_gpu.py (`pytest -m gpu`) compares it with the
+reference on the GPU (prefill_attention_mgpu's docstring).
 When Triton is removed from Pallas, the decode kernel's structure (rows =
 tokens x group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """

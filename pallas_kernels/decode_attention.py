@@ -52,6 +52,14 @@ class DecodeConfig:
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad {self.num_warps=} or {self.num_stages=}")
 
+    @classmethod
+    def for_dtype(cls, dtype, **tuning) -> "DecodeConfig":
+        """The defaults for K/V of this dtype, then the given fields. The defaults fill the shared memory
+        with 2-byte K/V tiles; 4-byte (float32) K/V take half the keys per step to fit the same bytes
+        (block_k 128 would ask for more than Hopper's 227 KB per block)."""
+        defaults = {"block_k": 64} if jnp.dtype(dtype).itemsize > 2 else {}
+        return cls(**{**defaults, **tuning})
+
     def splits_for(self, batch: int, kv_heads: int, capacity: int) -> int:
         wanted = self.num_splits or self.wave_slots // (batch * kv_heads)
         return max(1, min(wanted, -(-capacity // self.block_k)))
@@ -194,5 +202,5 @@ def decode_attention(q, k_cache, v_cache, start, *, scale, interpret=False, **st
         start.astype(jnp.int32),
         scale=float(scale),
         interpret=interpret,
-        config=DecodeConfig(**static_tuning),
+        config=DecodeConfig.for_dtype(k_cache.dtype, **static_tuning),
     )

@@ -22,14 +22,15 @@ Structure (FlashAttention-3's producer/consumer split):
   of scalars and iotas: the kernel calls them on traced values, the CPU tests on concrete ones.
 
 Testing. Mosaic GPU kernels cannot run in jax 0.10.2's interpreter (pl.run_state, transposed and
-swizzled shared-memory refs are unsupported there; BENCHMARKS.md, third session). So:
+swizzled shared-memory refs are unsupported there). So:
 - on the CPU, tests/test_prefill_mgpu.py walks the kernel's tiles with pair_plan and
   causal_visible and checks that each query reads exactly the keys the reference lets it see, and
   that no tile reads a block it does not need;
   and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks
   (`make test` runs these tests under jax 0.10.2 and again under the GPU image's 0.11.2, whose
-  lowering differs: it failed on a kernel that 0.10.2 lowered; BENCHMARKS.md, sixth session);
-- on the GPU, bench_attention.py's `mosaic_check` section compares the kernel with
+  lowering differs and can fail where 0.10.2's succeeds);
+- on the GPU, tests/test_gpu.py (`pytest -m gpu`) and benchmarks/bench_attention.py's
+  `mosaic_check` compare the kernel with
   attention_reference (token tails, start > 0 and differing within a batch, a prompt overflowing
   the cache, GQA 1 to 8, head_dim 64 and 128), and its `prefill` section times it against the
   Triton kernel, cuDNN and JAX's own Mosaic GPU kernel.

@@ -1,9 +1,16 @@
 import os
 
-# Tests run on the CPU in float32; keep XLA from grabbing every core's worth of threads per process.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite runs on the CPU in float32 (Pallas kernels in interpret mode); `pytest -m gpu` runs the GPU
+# checks (tests/test_gpu.py) on the machine's GPU instead.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CLI's persistent compilation cache stays off in the test process (test_cli turns it on in a subprocess).
+os.environ["EAGLE3_JAX_COMPILE_CACHE"] = ""
 
-import jax  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: numerical checks at real shapes on a GPU (pytest -m gpu)")
+    if config.option.markexpr != "gpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")

@@ -10,7 +10,7 @@ import pytest
 
 import eagle3_jax
 from eagle3_jax.models import qwen3 as target_lib
-from eagle3_jax.models.kernels import CHOICES
+from eagle3_jax.models.kernels import ABLATION, CHOICES
 
 import drafter_oracle as oracle
 from hf_models import build_model, save_model
@@ -34,13 +34,13 @@ def test_forward_logits_agree(models):
     cfg = target.config
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 20)), jnp.int32)  # > 16: the prefill kernel
     out = {}
-    for impl in CHOICES:
+    for impl in CHOICES + (ABLATION,):
         cache = target_lib.new_cache(cfg, 2, 40, jnp.float32)
         hidden, cache, _ = target_lib.forward(target.params, cfg, tokens, cache, (), impl)
         cache = cache.with_lengths(jnp.array([20, 13], jnp.int32))
         step, _, _ = target_lib.forward(target.params, cfg, tokens[:, :3], cache, (), impl)  # the decode kernel
         out[impl] = np.concatenate([hidden, step], axis=1)
-    for impl in CHOICES:
+    for impl in out:
         np.testing.assert_allclose(out[impl], out["xla"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="kernels must be one of"):  # a typo is not silently XLA
         target_lib.forward(target.params, cfg, tokens, target_lib.new_cache(cfg, 2, 40, jnp.float32), (), "palas")
@@ -52,11 +52,13 @@ def test_engine_output_agrees(models):
     for d in (None, drafter):
         results = {impl: eagle3_jax.Engine(target, d, num_draft_tokens=2, max_len=48, kernels=impl).generate(prompts, 6)
                    for impl in CHOICES}
-        assert results["pallas"] == results["pallas_attention"] == results["xla"]
+        assert results["pallas"] == results["xla"]
 
 
-def test_pallas_refuses_unsupported_head_dim(models):
+def test_engine_refuses_unsupported_kernels(models):
     target, _ = models
+    with pytest.raises(ValueError, match="kernels must be one of"):  # the ablation is the benchmark's only
+        eagle3_jax.Engine(target, max_len=32, kernels=ABLATION)
     odd = dataclasses.replace(target, config=dataclasses.replace(target.config, head_dim=24))
     with pytest.raises(ValueError, match="power-of-two head_dims"):
         eagle3_jax.Engine(odd, max_len=32, kernels="pallas")

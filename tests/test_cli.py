@@ -62,6 +62,21 @@ def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert "power-of-two head_dims" in capsys.readouterr().err
 
 
+def test_second_run_compiles_nothing(folders, tmp_path):
+    """The command keeps JAX's persistent compilation cache: the first run fills it, the second finds every
+    program there and writes nothing new."""
+    cache = tmp_path / "xla"
+    env = {**os.environ, "EAGLE3_JAX_COMPILE_CACHE": str(cache)}
+    command = [sys.executable, "-m", "eagle3_jax.cli", "generate", "--target", str(folders / "target"),
+               "--prompt-ids", "3,17,5", "--max-new-tokens", "4", "--dtype", "float32", "--max-len", "64"]
+    first = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    second = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert first.splitlines()[0] == second.splitlines()[0]
+
+
 def test_convert_script_and_command(folders, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(repo / "convert" / "convert_checkpoint.py")]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import eagle3_jax
-from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models.config import Qwen3Config
 
 import drafter_oracle as oracle

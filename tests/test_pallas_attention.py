@@ -124,6 +124,24 @@ def test_split_count():
     assert DecodeConfig(num_splits=4).splits_for(1, 8, 32768) == 4
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_tunings_fit_hopper_shared_memory_in_every_dtype(dtype):
+    """A block may use 227 KB of shared memory on Hopper: the default tuning of each dtype must fit at
+    head_dim 128 (K and V tiles, num_stages deep; prefill also holds its query tile). float32 with the
+    2-byte defaults asks for more (the failure `pytest -m gpu` met at real shapes), so it takes its own."""
+    limit, itemsize = 227 * 1024, jnp.dtype(dtype).itemsize
+    decode = DecodeConfig.for_dtype(dtype)
+    prefill = PrefillConfig.for_dtype(dtype)
+    decode_bytes = 2 * decode.block_k * 128 * itemsize * decode.num_stages
+    prefill_bytes = (prefill.block_q + 2 * prefill.block_k * prefill.num_stages) * 128 * itemsize
+    assert decode_bytes <= limit and prefill_bytes <= limit
+    assert DecodeConfig.for_dtype(jnp.float32, block_k=128).block_k == 128  # given fields win
+    if itemsize == 2:
+        assert decode == DecodeConfig() and prefill == PrefillConfig()  # the measured defaults
+    else:
+        assert 2 * DecodeConfig().block_k * 128 * itemsize * DecodeConfig().num_stages > limit
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -57,6 +57,24 @@ def test_lossless_for_every_gamma(world, gamma, target_kind, drafter_kind):
         assert accepts == [0] * len(accepts)  # every draft rejected
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_every_dtype_speculates_at_batch_above_one(world, dtype):
+    """Every dtype the API offers, batch 3, spec on and off: the permutation world's answer is known
+    exactly (x_{n+1} = pi(x_n), and pi2's first draft is always right), so rounding cannot move it."""
+    target = eagle3_jax.load_target(world["t:permutation"][1].folder, dtype=dtype, progress=False)
+    drafter = eagle3_jax.load_drafter(world["d:pi2"][2].folder, target, dtype=dtype)
+    expected = []
+    for prompt in PROMPTS:
+        tokens = [int(worlds.PI[prompt[-1]])]
+        while len(tokens) < 12:
+            tokens.append(int(worlds.PI[tokens[-1]]))
+        expected.append(tokens)
+    spec = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64).generate(PROMPTS, 12)
+    plain = eagle3_jax.Engine(target, max_len=64).generate(PROMPTS, 12)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] == expected
+    assert all(r.accept_lengths == [1] * len(r.accept_lengths) for r in spec)
+
+
 def test_pairing_off_by_one_would_be_caught(world):
     """Only the drafter that is right under the (g_t, x_{t+1}) pairing gets anything accepted: pi^1
     and pi^3 are what a drafter would need if the engine paired features and tokens one off."""

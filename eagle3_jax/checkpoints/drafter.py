@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.checkpoints import safetensors_io
 from eagle3_jax.checkpoints.target import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
+from eagle3_jax.errors import CheckpointError
+from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models.config import RopeConfig, parse_rope, read_json
 from eagle3_jax.models.eagle3 import DrafterConfig
-from eagle3_jax.errors import CheckpointError
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _FORMAT_VERSION = 1

@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from eagle3_jax.models.config import read_json
 from eagle3_jax.errors import CheckpointError
+from eagle3_jax.models.config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

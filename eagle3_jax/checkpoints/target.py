@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.checkpoints import safetensors_io
+from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config, read_json
-from eagle3_jax.errors import CheckpointError
 
 ORBAX_MARKER = "eagle3_jax.json"  # present in folders written by `convert`
 _FORMAT_VERSION = 1

@@ -64,11 +64,20 @@ def xla_attention(q, k_cache, v_cache, start, *, scale: float) -> jax.Array:
     """The reference: scores in float32, softmax in float32, probabilities cast to q's dtype."""
     B, T, N, H = q.shape
     K, S = k_cache.shape[1], k_cache.shape[2]
+    dtype = q.dtype
+    q, k_cache, v_cache = (_widen_on_cpu(x) for x in (q, k_cache, v_cache))
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * scale
     query_pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
     visible = jnp.arange(S)[None, None, :] <= query_pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).astype(q.dtype)
     out = jnp.einsum("bkgts,bksh->btkgh", probs, v_cache, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(B, T, N, H)
+    return out.astype(dtype).reshape(B, T, N, H)
+
+
+def _widen_on_cpu(x: jax.Array) -> jax.Array:
+    """XLA:CPU has no batched bf16/f16 dot with a float32 result ("Unsupported element type for
+    DotThunk"), so there the 16-bit operands are widened to float32 first: exact, and the same float32
+    products and sums the GPU's dot computes."""
+    return x.astype(jnp.float32) if jax.default_backend() == "cpu" and x.dtype.itemsize < 4 else x

@@ -1,12 +1,12 @@
 """Which implementation runs the hot ops of a step: attention, and the small ops around it.
 
-  "xla"               plain jnp everywhere: the reference, and the CPU default
-  "pallas"            the Pallas kernels of `pallas_kernels/`: attention, and the small ops between the
-                      matmuls fused (residual add + RMSNorm; q/k norm + RoPE + KV-cache write);
-                      the GPU default. The matmuls stay XLA's: two Pallas matmuls measured no faster
-                      (BENCHMARKS.md).
-  "pallas_attention"  Pallas attention only (to measure what the fused kernels bring)
+  "xla"     plain jnp everywhere: the reference, and the CPU default
+  "pallas"  the Pallas kernels of `pallas_kernels/`: attention, and the small ops between the matmuls
+            fused (residual add + RMSNorm; q/k norm + RoPE + KV-cache write); the GPU default. The
+            matmuls stay XLA's: two Pallas matmuls measured no faster (BENCHMARKS.md).
 
+The model functions also take ABLATION, Pallas attention with XLA's small ops, which the benchmark uses
+to measure what the fused kernels bring; Engine and the CLI offer only CHOICES.
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import jax
 
-CHOICES = ("xla", "pallas", "pallas_attention")
+CHOICES = ("xla", "pallas")
+ABLATION = "pallas_attention"
 
 
 def check(kernels: str, *head_dims: int) -> str:
@@ -38,11 +39,17 @@ def pallas_attention_supports(head_dim: int) -> bool:
 
 
 def attention_in_pallas(kernels: str) -> bool:
-    return check(kernels) in ("pallas", "pallas_attention")
+    return _known(kernels) in ("pallas", ABLATION)
 
 
 def fused_in_pallas(kernels: str) -> bool:
-    return check(kernels) == "pallas"
+    return _known(kernels) == "pallas"
+
+
+def _known(kernels: str) -> str:
+    if kernels not in CHOICES + (ABLATION,):
+        raise ValueError(f"kernels must be one of {CHOICES + (ABLATION,)}, got {kernels!r}")
+    return kernels
 
 
 def interpret() -> bool:

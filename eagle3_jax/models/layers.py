@@ -53,7 +53,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     On CUDA GPUs a matmul with one row (batch 1, one token) and a weight at least as tall as it is wide
     is a row reduction over the weight, which XLA emits as one kernel streaming the weight once, where
     it would emit a split-K GEMM and a reduce kernel. Measured on the H200 at Qwen3-8B shapes
-    (BENCHMARKS.md, fourth session): faster for q/k/v, o and gate/up; slower for down (4096 x 12288),
+    (BENCHMARKS.md, design decisions): faster for q/k/v, o and gate/up; slower for down (4096 x 12288),
     hence the shape test; far slower from 4 rows on (each row re-reads the weight), hence one row.
     Elsewhere XLA's dot: on the CPU the reduction form is many times slower (100x for 4096 x 4096 in f32).
     """
