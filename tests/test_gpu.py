@@ -86,10 +86,11 @@ def test_fused_kernels(dtype):
     S = 1024
     qkv = jax.random.normal(keys[3], (B, T, (N + 2 * K) * H), jnp.float32).astype(dtype)
     cos, sin = (jax.random.normal(k, (B, T, H), jnp.float32).astype(dtype) for k in keys[4:6])
-    cache = jax.random.normal(keys[6], (B, K, S, H), jnp.float32).astype(dtype)
+    k_cache, v_cache = (jax.random.normal(k, (B, K, S, H), jnp.float32).astype(dtype)
+                        for k in jax.random.split(keys[6]))
     norms = (1 + 0.1 * jax.random.normal(keys[7], (2, H))).astype(dtype)
     start = jnp.arange(B, dtype=jnp.int32) * 100
-    args = (qkv, cos, sin, cache, cache, start)
+    args = (qkv, cos, sin, k_cache, v_cache, start)
     kwargs = dict(num_heads=N, q_norm=norms[0], k_norm=norms[1], eps=1e-6)
     for got, want in zip(rotate_and_cache(*args, **kwargs, kernels="pallas"),
                          rotate_and_cache(*args, **kwargs, kernels="xla")):
