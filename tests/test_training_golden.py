@@ -108,8 +108,8 @@ def plant_hits(drafter, target, tokens, logits, features, mask, attention):
     p, cfg = drafter.params, drafter.config
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    out, _, _ = ttt.drafter_step(p, cfg, target.params["embed"], ttt.project_features(p, cfg, jnp.asarray(features.numpy())), ids, positions,
-                                 (), ())
+    h = ttt.project_features(p, cfg, jnp.asarray(features.numpy()))
+    out, _, _ = ttt.drafter_step(p, cfg, target.params["embed"], h, ids, positions, (), ())
     guess = np.asarray(jnp.argmax(ttt.draft_logits(p, cfg, out), -1))
     guess = guess + np.asarray(p["d2t"])[guess]
     logits = logits.clone()
@@ -139,12 +139,11 @@ def specforge_run(state, embed, tokens, logits, features, mask, attention):
 
 def our_run(drafter, target, tokens, logits, features, mask):
     ids, teacher, loss_mask = ttt.specforge_layout(*(jnp.asarray(x.numpy()) for x in (tokens, logits, mask)))
-
     d2t = drafter.params["d2t"]
 
     def objective(trainable):
-        losses, accs = ttt.ttt_losses({**trainable, "d2t": d2t}, drafter.config, target.params["embed"], jnp.asarray(features.numpy()),
-                                      ids, teacher, loss_mask, STEPS)
+        losses, accs = ttt.ttt_losses({**trainable, "d2t": d2t}, drafter.config, target.params["embed"],
+                                      jnp.asarray(features.numpy()), ids, teacher, loss_mask, STEPS)
         return ttt.weighted_loss(losses, DECAY), (losses, accs)
 
     (loss, (losses, accs)), grads = jax.value_and_grad(objective, has_aux=True)(
@@ -160,11 +159,16 @@ def rel_err(ours, ref):
 def as_ours(grads):
     """SpecForge's gradient names and layout -> ours (q/k/v and gate/up fused along the output)."""
     m = "midlayer."
-    cat = lambda *names: torch.cat([grads[m + n] for n in names])
+
+    def cat(*names):
+        return torch.cat([grads[m + n] for n in names])
+
     return {"fc": grads["fc.weight"], "hidden_norm": grads[m + "hidden_norm.weight"],
-            "embed_norm": grads[m + "input_layernorm.weight"], "wqkv": cat(*(f"self_attn.{x}_proj.weight" for x in "qkv")),
+            "embed_norm": grads[m + "input_layernorm.weight"],
+            "wqkv": cat(*(f"self_attn.{x}_proj.weight" for x in "qkv")),
             "wo": grads[m + "self_attn.o_proj.weight"], "mlp_norm": grads[m + "post_attention_layernorm.weight"],
-            "w_gate_up": cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), "w_down": grads[m + "mlp.down_proj.weight"],
+            "w_gate_up": cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            "w_down": grads[m + "mlp.down_proj.weight"],
             "final_norm": grads["norm.weight"], "lm_head": grads["lm_head.weight"]}
 
 

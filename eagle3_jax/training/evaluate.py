@@ -1,0 +1,39 @@
+"""Acceptance of a drafter in training: tau (mean tokens per speculative round, the bonus token included)
+of greedy speculative decoding through our Engine, on held-out prompts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.checkpoints.drafter import Drafter
+from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding.engine import Engine
+from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.training.data import Sample
+
+
+def prompts_of(samples: list[Sample], max_prompt: int) -> list[list[int]]:
+    """Each sample's prompt: the tokens before its first loss-masked one (the whole sample when none is
+    masked out), at most max_prompt of them, the latest kept."""
+    out = []
+    for s in samples:
+        first = int(np.argmax(s.loss_mask)) if s.loss_mask.any() and s.loss_mask[0] == 0 else len(s.tokens)
+        prompt = s.tokens[:max(first, 1)][-max_prompt:]
+        out.append(prompt.tolist())
+    return out
+
+
+def as_drafter(cfg: DrafterConfig, params: dict, d2t, dtype) -> Drafter:
+    """The training parameters as a loaded drafter, cast to the target's dtype."""
+    return Drafter(cfg, {**jax.tree.map(lambda x: x.astype(dtype), params), "d2t": jnp.asarray(d2t)}, folder=None)
+
+
+def tau(target: Target, drafter: Drafter, prompts: list[list[int]], gamma: int, max_new_tokens: int,
+        stop_token_ids=(), kernels: str | None = None) -> float:
+    """Mean accepted drafts + 1 over every round of greedy speculative decoding of the prompts."""
+    max_len = min(max(len(p) for p in prompts) + max_new_tokens + gamma + 2, target.config.max_position_embeddings)
+    engine = Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len, kernels=kernels)
+    rounds = [a for r in engine.generate(prompts, max_new_tokens, stop_token_ids) for a in r.accept_lengths]
+    return float(np.mean(rounds) + 1) if rounds else float("nan")

@@ -1,0 +1,130 @@
+"""Rewriting training data with the target's own answers (what SpecForge's regenerate_train_data.py does),
+greedy, through our Engine, a batch of records at a time.
+
+* conversations: every assistant turn is replaced, in order, by the target's continuation of the
+  conversation so far (earlier turns already rewritten), rendered with the chat template;
+* pre-tokenized records: the tokens before the first loss-masked one are the prompt; the rest becomes the
+  target's continuation, with the loss on it;
+* text records have no turn to rewrite and are copied.
+The output is written record by record in input order, so an interrupted run resumes after the last
+complete line of OUT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding.engine import Engine
+from eagle3_jax.training.data import DataError, jsonl_objects, parse_record
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateStats:
+    written: int  # records written by this run
+    resumed_after: int  # records found complete in OUT and skipped
+    copied: int  # records with nothing to rewrite, or too long for max_len
+
+
+def _done_lines(out: Path) -> int:
+    """Complete lines already in OUT; a partial last line (an interrupted write) is cut off."""
+    if not out.exists():
+        return 0
+    data = out.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        out.write_bytes(keep)
+    return keep.count(b"\n")
+
+
+def _prompts(record, raw: dict, turn: int, tokenizer) -> list[int] | None:
+    """The prompt for a record's `turn`-th rewrite, or None when it has no such turn."""
+    if record.input_ids is not None:
+        if turn > 0:
+            return None
+        ids, mask = raw["input_ids"], raw.get("loss_mask") or [0] * len(raw["input_ids"])
+        first = mask.index(1) if 1 in mask else len(ids)
+        return ids[:max(first, 1)]
+    if record.messages is None:
+        return None
+    messages = raw["conversations_rewritten"]
+    at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if turn >= len(at):
+        return None
+    return tokenizer.apply_chat_template(messages[:at[turn]], add_generation_prompt=True, tokenize=True)
+
+
+def _apply(record, raw: dict, turn: int, prompt: list[int], generated: list[int], tokenizer) -> None:
+    if record.input_ids is not None:
+        raw["input_ids"] = prompt + generated
+        raw["loss_mask"] = [0] * len(prompt) + [1] * len(generated)
+        return
+    messages = raw["conversations_rewritten"]
+    at = [i for i, m in enumerate(messages) if m["role"] == "assistant"][turn]
+    messages[at] = {"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True).strip()}
+
+
+def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple) -> int:
+    """Rewrites the items' turns in place, turn by turn across the batch; returns how many were too long."""
+    too_long = set()
+    for turn in range(max(len(r.messages) if r.messages else 1 for r, _ in items)):
+        jobs = [(r, raw, p) for r, raw in items if id(raw) not in too_long
+                and (p := _prompts(r, raw, turn, tokenizer)) is not None]
+        fits = [(r, raw, p) for r, raw, p in jobs if len(p) < engine.max_len]
+        too_long.update(id(raw) for r, raw, p in jobs if len(p) >= engine.max_len)
+        if not fits:
+            continue
+        results = engine.generate([p for _, _, p in fits], max_new_tokens, stops)
+        for (r, raw, p), res in zip(fits, results):
+            _apply(r, raw, turn, list(p), res.token_ids, tokenizer)
+    return len(too_long)
+
+
+def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
+               max_new_tokens: int = 512, batch_size: int = 8, max_len: int = 4096, drafter=None,
+               progress: bool = True) -> RegenerateStats:
+    """Rewrites the assistant turns of the JSON-lines file data_in into out (see the module docstring).
+    Every record is checked before the first generation."""
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_new_tokens and batch_size must be positive")
+    data_in, out = Path(data_in), Path(out)
+    if data_in.suffix != ".jsonl" or not data_in.is_file():
+        raise DataError(f"{data_in}: regeneration reads one .jsonl file")
+    records = [(parse_record(raw, where), raw) for where, raw in jsonl_objects(data_in)]
+    if not records:
+        raise DataError(f"{data_in}: no records")
+    if tokenizer is None and any(r.messages is not None for r, _ in records):
+        raise DataError(f"{next(r.source for r, _ in records if r.messages)}: conversations need the target's "
+                        "tokenizer (tokenizer.json in the target folder)")
+    done = _done_lines(out)
+    engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
+                    max_len=min(max_len, target.config.max_position_embeddings))
+    stops = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(records), initial=done, desc="regenerating", unit="record")
+    copied = written = 0
+    for start in range(done, len(records), batch_size):
+        items = records[start:start + batch_size]
+        for r, raw in items:
+            if r.messages is not None:
+                raw["conversations_rewritten"] = [dict(m) for m in r.messages]
+        copied += _rewrite_batch(engine, [(r, raw) for r, raw in items if r.text is None], tokenizer,
+                                 max_new_tokens, stops)
+        copied += sum(r.text is not None for r, _ in items)
+        with open(out, "a", encoding="utf-8") as f:
+            for r, raw in items:
+                if r.messages is not None:
+                    raw["conversations"] = raw.pop("conversations_rewritten")
+                f.write(json.dumps(raw, ensure_ascii=False) + "\n")
+        written += len(items)
+        if bar is not None:
+            bar.update(len(items))
+    if bar is not None:
+        bar.close()
+    return RegenerateStats(written=written, resumed_after=done, copied=copied)
