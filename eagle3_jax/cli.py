@@ -95,6 +95,40 @@ def _convert(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    import eagle3_jax
+    from eagle3_jax.training.data import data_files
+    from eagle3_jax.training.trainer import TrainConfig
+
+    config = TrainConfig(
+        draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, max_seq_len=args.max_seq_len,
+        batch_size=args.batch_size, learning_rate=args.learning_rate, steps=args.steps, epochs=args.epochs,
+        seed=args.seed, resume=args.resume, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        eval_data=tuple(args.eval_data or ()), compute_dtype=args.compute_dtype, kernels=args.kernels,
+    )
+    data_files(args.data + (args.eval_data or []))  # a mistyped path fails before the target loads
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+    result = eagle3_jax.train_drafter(target, args.data, args.out, config)
+    print(f"wrote {args.out}" + "".join(f" {k}={v:.3f}" for k, v in result.items() if isinstance(v, float)))
+    return 0
+
+
+def _regenerate(args) -> int:
+    import eagle3_jax
+    from eagle3_jax.training.regenerate import regenerate
+
+    if args.temperature != 0 or args.top_p != 1:
+        raise ValueError("regeneration is greedy for now: --temperature 0 and --top-p 1 (the Engine decodes greedily)")
+    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
+    stats = regenerate(target, args.data, args.out, tokenizer=_tokenizer(Path(args.target)),
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_len=args.max_len,
+                       drafter=drafter)
+    print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}; "
+          f"{stats.copied} copied unchanged: nothing to rewrite or too long)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +159,44 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     conv.add_argument("--drafter-of", metavar="TARGET", help="SRC is an EAGLE-3 drafter for this target folder")
     conv.set_defaults(func=_convert)
+    train = sub.add_parser("train", help="train an EAGLE-3 drafter for a target (SpecForge's training-time test)")
+    train.add_argument("--target", required=True, help="Qwen3 target folder (Hugging Face or converted)")
+    train.add_argument("--data", required=True, action="append",
+                       help=".jsonl files (conversations, text or input_ids records), text files or folders; "
+                            "repeatable")
+    train.add_argument("--out", required=True, help="output folder: the drafter in SpecForge's format, metrics, "
+                                                    "checkpoints")
+    train.add_argument("--eval-data", action="append", help="held-out prompts for tau (greedy, gamma 3 and 5)")
+    train.add_argument("--draft-vocab-size", type=int, default=32000)
+    train.add_argument("--ttt-steps", type=int, default=7)
+    train.add_argument("--max-seq-len", type=int, default=2048)
+    train.add_argument("--batch-size", type=int, default=1, help="global batch, split over the devices")
+    train.add_argument("--learning-rate", type=float, default=1e-4)
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="total updates")
+    length.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--checkpoint-every", type=int, default=1000)
+    train.add_argument("--eval-every", type=int, default=0, help="also evaluate tau every N updates")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                       help="the target's dtype")
+    train.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                       help="the drafter's forward and backward (master weights stay float32)")
+    train.add_argument("--kernels", choices=KERNEL_CHOICES, help="hot-op implementation of the target forward")
+    train.set_defaults(func=_train)
+    regen = sub.add_parser("regenerate", help="rewrite assistant turns of a .jsonl file with the target's output")
+    regen.add_argument("--target", required=True)
+    regen.add_argument("--data", required=True, help="input .jsonl")
+    regen.add_argument("--out", required=True, help="output .jsonl; an interrupted run resumes after its last line")
+    regen.add_argument("--drafter", help="EAGLE-3 drafter to speed generation up (the output is the same)")
+    regen.add_argument("--max-new-tokens", type=int, default=512)
+    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument("--max-len", type=int, default=4096, help="prompt + answer capacity")
+    regen.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) for now")
+    regen.add_argument("--top-p", type=float, default=1.0, help="1 for now")
+    regen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    regen.set_defaults(func=_regenerate)
     # Sub-commands from outside the library (benchmarks/) take their own arguments: `eagle3-jax bench --help`.
     for name in _plugin_commands():
         sub.add_parser(name, help=f"{name} (from the installed '{_PLUGIN_GROUP}' entry points)", add_help=False)

@@ -172,3 +172,26 @@ def test_four_virtual_devices_give_the_loss_of_one(tmp_path):
     losses = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(losses["1"]) == 3
     np.testing.assert_allclose(losses["4"], losses["1"], rtol=1e-5)
+
+
+def test_cli_regenerate_resumes_and_train_writes_a_loadable_drafter(world, tmp_path, capsys):
+    from eagle3_jax import cli
+
+    folder, target = world
+    lines = open(folder / "prompts.jsonl").read().splitlines()[:6]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "out.jsonl").write_text(open(folder / "train.jsonl").readline() + '{"input_ids": [1, 2')  # cut off
+    regen = ["regenerate", "--target", str(folder / "target"), "--data", str(tmp_path / "in.jsonl"), "--out",
+             str(tmp_path / "out.jsonl"), "--max-new-tokens", "40", "--batch-size", "4", "--max-len", "64",
+             "--dtype", "float32"]
+    assert cli.main(regen) == 0
+    assert "resumed after 1" in capsys.readouterr().out
+    assert open(tmp_path / "out.jsonl").read().splitlines() == open(folder / "train.jsonl").read().splitlines()[:6]
+    assert cli.main(regen[:-2] + ["--temperature", "0.7"]) == 2
+    train = ["train", "--target", str(folder / "target"), "--data", str(tmp_path / "out.jsonl"), "--out",
+             str(tmp_path / "drafter"), "--steps", "2", "--batch-size", "2", "--max-seq-len", "64",
+             "--ttt-steps", "2", "--dtype", "float32", "--compute-dtype", "float32"]
+    assert cli.main(train) == 0
+    eagle3_jax.load_drafter(tmp_path / "drafter", target, dtype="float32")
+    assert cli.main(train[:4] + [str(tmp_path / "missing.jsonl")] + train[5:]) == 2
+    assert "missing.jsonl: no such file or folder" in capsys.readouterr().err
