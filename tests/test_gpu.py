@@ -23,7 +23,7 @@ from eagle3_jax.models.attention import rotate_and_cache, uses_mosaic_prefill
 from eagle3_jax.models.config import Qwen3Config, RopeConfig
 from eagle3_jax.models.eagle3 import DrafterConfig
 from eagle3_jax.models.kernels import hopper
-from eagle3_jax.models.layers import add_rms_norm
+from eagle3_jax.models.layers import add_rms_norm, rope_tables
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +85,8 @@ def test_fused_kernels(dtype):
         assert _rel_err(got, want) < TOLERANCE[dtype]
     S = 1024
     qkv = jax.random.normal(keys[3], (B, T, (N + 2 * K) * H), jnp.float32).astype(dtype)
-    cos, sin = (jax.random.normal(k, (B, T, H), jnp.float32).astype(dtype) for k in keys[4:6])
+    positions = jax.random.randint(keys[4], (B, T), 0, 40000)
+    cos, sin = rope_tables(positions, RopeConfig(theta=1e6, head_dim=H), jnp.dtype(dtype))  # the halves repeat
     k_cache, v_cache = (jax.random.normal(k, (B, K, S, H), jnp.float32).astype(dtype)
                         for k in jax.random.split(keys[6]))
     norms = (1 + 0.1 * jax.random.normal(keys[7], (2, H))).astype(dtype)
