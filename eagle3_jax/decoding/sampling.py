@@ -1,0 +1,206 @@
+"""Sampling on the device: the filters (temperature, top-k, top-p), per-row random keys, and the
+rejection sampler that keeps speculative decoding lossless when rows sample.
+
+Filters follow transformers' `generate` order (`TemperatureLogitsWarper`, then `TopKLogitsWarper`, then
+`TopPLogitsWarper` over the tempered, top-k-filtered logits, then a softmax). Every parameter is a device
+array with one value per row, so a batch mixes settings and new values never recompile.
+
+Top-k and top-p without a sort. Both filters keep the tokens whose logit is at or above a threshold, so
+instead of sorting a row (151,936 logits for Qwen3), each threshold is found by a radix search over the
+logits' bit patterns: a float32 maps to a uint32 key with the same order, and the key is settled 4 bits at
+a time, from the top, by one pass over the row that weighs 16 candidate thresholds at once (top-k counts
+the tokens at or above each candidate, top-p sums their probability). 8 passes fix a 32-bit key exactly:
+the result is the threshold a sort would give, not an approximation. Each pass is one fused reduction
+over the row.
+
+Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
+cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
+their place in `torch.sort`'s output, which is not stable. Here the tied tokens are ordered by id, as a
+stable sort would (higher ids last, so kept first). The kept probability mass is transformers' exactly;
+which of the equal-logit tokens carry it is defined by their ids rather than by torch's sorting internals.
+
+Cost on the H200 (benchmarks/bench.py --sampling-only; Qwen3-8B shapes, temperature 0.6, top-k 20,
+top-p 0.95): the filter over the verify's logits takes 0.26 ms at batch 1 (4 rows x 151,936) and 1.03 ms at
+batch 8 (32 rows), against 0.33 and 1.19 ms for one sort of each row. XLA runs each pass as its own
+reduction, far slower than reading the row: a kernel that keeps a row on chip through all its passes (as
+FlashInfer's sampling kernels do) is what would make the filter cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_DIGIT_BITS = 4  # bits of the threshold settled per pass: 16 candidates weighed in one pass
+_ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One row's sampling settings, as device arrays (B rows)."""
+
+    temperature: jax.Array  # [B] float32; 0 = greedy (argmax, every other setting ignored)
+    top_k: jax.Array  # [B] int32; 0 = no top-k filter
+    top_p: jax.Array  # [B] float32 in (0, 1]; 1 = no top-p filter
+    seed: jax.Array  # [B, 2] uint32: the row's threefry key data (a 64-bit seed, high word first)
+
+    @property
+    def greedy(self) -> jax.Array:
+        return self.temperature <= 0
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (-inf lowest). -0.0 becomes +0.0 first: they are equal logits."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_threshold(keys, weights, target) -> jax.Array:
+    """Per row, the largest uint32 T with sum(weights where keys >= T) >= target; 0 when no T
+    qualifies. keys [R, V] uint32, weights [R, V] (nonnegative), target [R].
+
+    The sum falls as T rises, so the qualifying T form a range from 0 up: each pass keeps the highest of 16
+    candidates for the next 4 bits that still qualifies (a nonnegative float sum is monotone in its terms
+    under one reduction order, so the 16 answers are monotone too)."""
+    digits = jnp.arange(1 << _DIGIT_BITS, dtype=jnp.uint32)
+    passes = 32 // _DIGIT_BITS
+
+    def one_pass(i, prefix):
+        shift = ((passes - 1 - i) * _DIGIT_BITS).astype(jnp.uint32)
+        candidates = prefix[:, None] | (digits << shift)  # [R, 16]
+        mass = jnp.sum(jnp.where(keys[:, None, :] >= candidates[:, :, None], weights[:, None, :], 0), axis=-1)
+        qualifying = jnp.sum(mass >= target[:, None], axis=-1)  # the candidates that qualify: 0 .. n - 1
+        return prefix | (jnp.maximum(qualifying - 1, 0).astype(jnp.uint32) << shift)
+
+    # A loop of fixed trip count: one pass's code, compiled once (unrolled, it ran no faster on the H200).
+    prefix = jax.lax.fori_loop(0, passes, one_pass, jnp.zeros(keys.shape[:-1], jnp.uint32))
+    return prefix
+
+
+def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """logits [R, V], top_k [R] -> bool [R, V]: the tokens at or above the k-th largest logit (all of a tie
+    at the k-th value, as transformers keeps them); everything when top_k is 0 or >= V."""
+    keys = _order_keys(logits)
+    kth = _largest_threshold(keys, jnp.ones(keys.shape, jnp.int32), top_k)
+    return (keys >= kth[:, None]) | (top_k[:, None] <= 0)
+
+
+def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [R, V] (tempered, top-k filtered to -inf), their softmax probs, top_p [R] -> bool [R, V].
+
+    In the order of a stable ascending sort of the logits, token i is kept when the probability after it
+    is < top_p (transformers: dropped when the cumulative probability up to it is <= 1 - top_p); the most
+    likely token is always kept. The cut's logit comes from the radix search: the largest logit whose
+    tokens at or above it hold >= top_p. Tokens above it are kept, tokens below dropped, and of the tokens
+    at it (equal logits, so equal probabilities) those with the highest ids are kept while the mass after
+    them stays < top_p: a count of the tied tokens with a higher id, one cumulative sum over the row."""
+    keys = _order_keys(logits)
+    cut = _largest_threshold(keys, probs, top_p)
+    above = keys > cut[:, None]
+    tied = keys == cut[:, None]
+    above_mass = jnp.sum(jnp.where(above, probs, 0), axis=-1, keepdims=True)
+    tied_after = jnp.sum(tied, axis=-1, keepdims=True) - jnp.cumsum(tied, axis=-1)  # tied tokens of higher id
+    tied_p = jnp.max(jnp.where(tied, probs, 0), axis=-1, keepdims=True)
+    keep = above | (tied & (above_mass + tied_after * tied_p < top_p[:, None]))
+    return keep | (top_p[:, None] >= 1)
+
+
+def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]:
+    temperature, then top-k, then top-p over the tempered distribution (transformers' order). A greedy
+    row (temperature 0) is filtered at temperature 1; its result is not used."""
+    shape = logits.shape
+    rows = logits.reshape(-1, shape[-1]).astype(jnp.float32)
+    t, k, p = (jnp.broadcast_to(x, shape[:-1]).reshape(-1) for x in (temperature, top_k, top_p))
+    tempered = rows / jnp.where(t > 0, t, 1.0)[:, None]
+    tempered = jnp.where(top_k_mask(tempered, k), tempered, -jnp.inf)
+    probs = jax.nn.softmax(tempered, axis=-1)
+    probs = jnp.where(top_p_mask(tempered, probs, p), probs, 0.0)
+    return (probs / jnp.sum(probs, axis=-1, keepdims=True)).reshape(shape)
+
+
+def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """A distribution over a subset of the vocabulary, probs [..., Vd] over token ids [Vd] (distinct), as a
+    distribution over the whole vocabulary [..., vocab_size]: the other tokens get probability 0."""
+    return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., ids].set(probs)
+
+
+# ----------------------------------------------------------------------------- randomness
+
+
+def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """seed [B, 2] key data, position [B] -> one key per row. A step's key comes from its row's seed and the
+    index of the first token it generates, so a row's draws depend on nothing else in the batch, and no
+    two steps of a row share a key."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), i))(
+        seed, position)
+
+
+def _fold(keys: jax.Array, data: int) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)
+
+
+def categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row from probs [B, V] (unnormalised weights are fine): Gumbel-max, on the device."""
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
+
+
+def draft_key(keys: jax.Array, step: int | jax.Array) -> jax.Array:
+    """The key a row samples its draft number `step` (0-based) with, from the round's keys."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT + step))(keys)
+
+
+# ----------------------------------------------------------------------------- rejection sampling
+
+
+def accept(u: jax.Array, p_x: jax.Array, q_x: jax.Array) -> jax.Array:
+    """Accept a draft x ~ q with probability min(1, p(x) / q(x)): u ~ U[0, 1), and q(x) > 0 for a drawn x."""
+    return u * q_x < p_x
+
+
+def residual(p: jax.Array, q: jax.Array) -> jax.Array:
+    """Where to sample after a rejection: max(p - q, 0) (unnormalised). With q one-hot at x (argmax drafts)
+    this is p with x removed."""
+    return jnp.maximum(p - q, 0.0)
+
+
+def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array, room: jax.Array):
+    """Speculative sampling for one round of B rows (Leviathan et al., Chen et al.).
+
+    p [B, G + 1, V]: the target's filtered distribution after each of [x_n, d_1 .. d_G]; drafts [B, G]
+    (target ids) drawn from q [B, G, V] (one-hot for argmax drafts); room [B]: the most drafts the cache
+    can take. Draft i is accepted with probability min(1, p_i / q_i) until the first rejection, which
+    samples from normalise(max(p - q, 0)) there; when every considered draft is accepted (all G, or the
+    room's worth) the next token comes from p. Lossless for any q: each emitted token is distributed as p.
+    Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled token, then padding).
+    """
+    B, G = drafts.shape
+    rows = jnp.arange(B)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
+    p_x = jnp.take_along_axis(p[:, :G], drafts[:, :, None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
+    leading = jnp.sum(jnp.cumprod(accept(u, p_x, q_x).astype(jnp.int32), axis=1), axis=1)
+    considered = jnp.clip(room, 0, G)  # drafts beyond the room are never judged: a stop there draws from p
+    accepted = jnp.minimum(leading, considered)
+    rejected = leading < considered
+    p_a = p[rows, accepted]
+    q_a = q[rows, jnp.minimum(accepted, G - 1)] if G else jnp.zeros_like(p_a)  # read only where rejected
+    left = residual(p_a, q_a)
+    # p == q up to rounding makes a rejection (nearly) impossible and the residual empty: sample p then.
+    left = jnp.where(jnp.sum(left, axis=-1, keepdims=True) > 0, left, p_a)
+    final = categorical(_fold(keys, _FINAL), jnp.where(rejected[:, None], left, p_a))
+    idx = jnp.arange(G + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(idx < accepted[:, None], padded, jnp.where(idx == accepted[:, None], final[:, None], 0))
+    return accepted, tokens
+
+
+def first_token(keys, probs: jax.Array) -> jax.Array:
+    """Prefill's token: a plain draw from the filtered distribution probs [B, V]."""
+    return categorical(_fold(keys, _FINAL), probs)

@@ -1,0 +1,138 @@
+"""The sampling filters against transformers' warpers, and the rejection sampler's room stop, on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from eagle3_jax.decoding import sampling
+
+
+def transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution transformers' generate samples from: its warpers in generate's order, then softmax."""
+    scores = torch.from_numpy(logits)[None]
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)[0].numpy()
+
+
+def ours(logits: np.ndarray, temperature, top_k, top_p) -> np.ndarray:
+    rows = len(logits)
+    t, k, p = (np.broadcast_to(np.asarray(x), (rows,)) for x in (temperature, top_k, top_p))
+    fn = jax.jit(sampling.filtered_probs)
+    return np.asarray(fn(jnp.asarray(logits, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                         jnp.asarray(p, jnp.float32)))
+
+
+def check_rows(logits, settings, atol=1e-6):
+    got = ours(logits, *zip(*settings))
+    for row, (t, k, p), g in zip(logits, settings, got):
+        want = transformers_probs(row, t, k, p)
+        np.testing.assert_array_equal(g > 0, want > 0, err_msg=f"kept tokens differ at {(t, k, p)}")
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=atol, err_msg=f"{(t, k, p)}")
+
+
+def test_filters_equal_transformers_on_random_logits():
+    rng = np.random.default_rng(0)
+    V = 50
+    settings = [(float(t), int(k), float(p)) for t, k, p in zip(
+        rng.uniform(0.2, 2.0, 96), rng.choice([0, 1, 2, 5, 20, 49, 50, 80], 96),
+        rng.choice([1.0, 0.95, 0.9, 0.5, 0.2, 0.01], 96))]
+    logits = (rng.standard_normal((96, V)) * rng.uniform(0.5, 4, (96, 1))).astype(np.float32)
+    check_rows(logits, settings)
+
+
+def test_filters_equal_transformers_at_qwen3_vocabulary_size():
+    """151,936 logits a row: the radix search settles thresholds across the whole float range."""
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((5, 151936)) * 3).astype(np.float32)
+    logits[1, 7] = 40.0  # one token holds nearly all the mass: top-p keeps just it
+    settings = [(0.6, 20, 0.95), (1.0, 0, 0.9), (1.3, 0, 0.5), (0.7, 1000, 1.0), (2.0, 0, 0.999)]
+    check_rows(logits, settings, atol=1e-9)
+
+
+def test_no_filter_settings_keep_everything():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((4, 30)).astype(np.float32)
+    got = ours(logits, [1.0, 1.0, 1.0, 0.5], [0, 30, 2**31 - 1, 0], [1.0, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(got[:3], jax.nn.softmax(logits[:3]), rtol=1e-6)
+    np.testing.assert_allclose(got[3], jax.nn.softmax(logits[3] / 0.5), rtol=1e-6)
+
+
+def stable_sort(original):
+    def sort(x, *args, **kwargs):
+        return original(x, *args, stable=True, **kwargs)
+    return sort
+
+
+def tie_cases():
+    """Logits whose top-p cut falls inside a group of equal logits (and top-k cuts through ties)."""
+    base = np.log(np.array([0.4, 0.2, 0.2, 0.2], np.float32))
+    cases = [(base, (1.0, 0, 0.7)), (base, (1.0, 0, 0.5)), (base, (1.0, 2, 0.9)), (base[::-1].copy(), (1.0, 0, 0.7))]
+    rng = np.random.default_rng(3)
+    for _ in range(60):  # small integer logits: ties everywhere
+        row = rng.integers(-3, 3, 24).astype(np.float32)
+        cases.append((row, (float(rng.choice([1.0, 0.8])), int(rng.choice([0, 3, 7])), float(rng.uniform(0.05, 0.98)))))
+    return cases
+
+
+def test_top_p_ties_at_the_boundary(monkeypatch):
+    """Where the cut splits tokens of equal logit, transformers keeps as many of them as the mass needs, in
+    the order torch.sort leaves them (not stable on the CPU). Ours keeps the same number, the ones with the
+    highest ids: exactly transformers' answer under a stable sort, and the same kept mass as its own."""
+    cases = tie_cases()
+    split = 0
+    for row, (t, k, p) in cases:
+        (got,) = ours(row[None], t, k, p)
+        as_is = transformers_probs(row, t, k, p)
+        np.testing.assert_allclose(np.sort(got), np.sort(as_is), rtol=1e-5, atol=1e-7)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "sort", stable_sort(torch.sort))
+            stable = transformers_probs(row, t, k, p)
+        np.testing.assert_array_equal(got > 0, stable > 0)
+        np.testing.assert_allclose(got, stable, rtol=1e-5, atol=1e-7)
+        kept = got > 0
+        split += bool(np.isin(row[kept], row[~kept]).any())  # a kept and a dropped token of equal logit
+    assert split >= 10  # the cases do cut through tied groups
+
+
+def test_verify_stops_for_room_with_a_draw_from_p_not_the_residual():
+    """When the cache has room for fewer drafts than were proposed, the round stops after them without a
+    rejection: the next token comes from p there. 100,000 rounds of fixed p and q in one call."""
+    V, G, N = 6, 3, 100_000
+    rng = np.random.default_rng(4)
+    p = rng.dirichlet(np.ones(V), size=G + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(V), size=G).astype(np.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (N, G)), jnp.int32)
+    keys = sampling.row_keys(jnp.zeros((N, 2), jnp.uint32), jnp.arange(N))
+
+    @jax.jit
+    def run(room):
+        pb, qb = (jnp.broadcast_to(x, (N,) + x.shape) for x in (p, q))
+        return sampling.verify(keys, pb, drafts, qb, room)
+
+    for room in (0, 1):
+        accepted, tokens = run(jnp.full((N,), room, jnp.int32))
+        accepted, tokens = np.asarray(accepted), np.asarray(tokens)
+        assert accepted.max() == room
+        # Rows that took every draft the room allowed: the next token is from p at that position.
+        full = accepted == room
+        counts = np.bincount(tokens[full, room], minlength=V)
+        expected = p[room].astype(np.float64) / p[room].sum(dtype=np.float64) * full.sum()
+        assert stats.chisquare(counts, expected).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 4)])
+def test_row_keys_depend_only_on_seed_and_position(shape):
+    seeds = jnp.asarray([[0, 1], [0, 2], [5, 1]], jnp.uint32)
+    keys = sampling.row_keys(seeds, jnp.asarray([7, 7, 9]))
+    again = sampling.row_keys(seeds[::-1], jnp.asarray([9, 7, 7]))[::-1]
+    draw = jax.vmap(lambda k: jax.random.uniform(k, shape))
+    np.testing.assert_array_equal(draw(keys), draw(again))
+    assert len({tuple(np.asarray(x).ravel()) for x in draw(keys)}) == 3
