@@ -7,23 +7,36 @@ row is done change nothing and are dropped. `Engine.device_events` records what 
 
 The jitted steps are module-level: their static configuration (`StepSpec`) is a hashable argument, so
 every Engine of the same configuration, and every request of the same shapes, reuses one compilation.
+
+Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one value per row, so new
+values never recompile. An Engine has two builds of its steps: the greedy one, which a request whose rows
+are all greedy runs (today's program, no sampling work), and the sampling one, which runs any request with
+a sampled row and handles greedy rows beside them. Each compiles once, when first needed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import secrets
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
-from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.decoding import spec_round
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.sampling import SamplingParams
+from eagle3_jax.models import kernels as kernels_lib
 
 _MIN_PREFILL_BUCKET = 16
 _STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
+PROPOSALS = ("argmax", "sample")
+# No trained drafter has been measured yet (the issue sets the default by tau at temperature 0.6 and 1.0):
+# "argmax" until then, the choice of vLLM, SGLang and tpu-inference; both are lossless.
+DEFAULT_PROPOSAL = "argmax"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +44,10 @@ class RoundTrace:
     """One speculative round of one sequence, for inspection (`generate(..., trace=True)`)."""
 
     drafted: list[int]  # the drafter's gamma proposals, as target ids
-    target: list[int]  # the target's greedy choice after each of [x_n, d_1 .. d_gamma]
-    accepted: int  # how many drafts matched before the first miss
+    # After each of [x_n, d_1 .. d_gamma]: a greedy row's argmax; a sampled row's accepted drafts, then the
+    # token sampled after them, then the target's argmax.
+    target: list[int]
+    accepted: int  # how many drafts were accepted before the first rejection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +68,7 @@ class _RoundOutput:
     """The host's view of one round (or of prefill), unpacked from spec_round's single array."""
 
     tokens: list[list[int]]  # emitted tokens per row
-    choices: np.ndarray  # [B, gamma + 1] the target's greedy choices
+    choices: np.ndarray  # [B, gamma + 1] the target's choices (RoundTrace.target)
     drafts: np.ndarray  # [B, gamma]
     accepted: np.ndarray  # [B]
     done: np.ndarray  # [B] bool
@@ -63,18 +78,26 @@ class _RoundOutput:
         gamma = (packed.shape[1] - 4) // 2
         choices, drafts = packed[:, : gamma + 1], packed[:, gamma + 1 : 2 * gamma + 1]
         num_emit, accepted, done = packed[:, -3], packed[:, -2], packed[:, -1].astype(bool)
-        return cls([row[:n].tolist() for row, n in zip(choices, num_emit)], choices, drafts, accepted, done)
+        # Whole-array tolist, then list slices: per-row numpy work costs seconds at thousands of rows.
+        tokens = [row[:n] for row, n in zip(choices.tolist(), num_emit.tolist())]
+        return cls(tokens, choices, drafts, accepted, done)
 
 
 class Engine:
-    """Greedy decoding of a Qwen3 target, speculative when an EAGLE-3 drafter is given. Lossless: the
-    output is token for token what plain greedy decoding of the target gives."""
+    """Decoding of a Qwen3 target, greedy or sampled per row, speculative when an EAGLE-3 drafter is given.
+    Lossless: a greedy row's output is token for token what plain greedy decoding of the target gives,
+    and a sampled row's output is distributed exactly as sampling the target alone."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
-                 kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL):
+                 kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
+                 proposal: str = DEFAULT_PROPOSAL):
         """rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
-        (a call's rounds arrive together) and run fewer rounds in vain after a stop token."""
+        (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
+        proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
+        probability p(x)) or "sample" (x drawn from the drafter's filtered q, accepted with probability
+        min(1, p(x) / q(x))). Both are lossless; which accepts more is the drafter's to show. Greedy rows
+        ignore it."""
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -87,6 +110,8 @@ class Engine:
             raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
+        if proposal not in PROPOSALS:
+            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
@@ -97,17 +122,23 @@ class Engine:
             max_len=max_len,
             kernels=kernels,
         )
+        # Without a drafter there is nothing to propose: one sampling build for either choice.
+        self._sampling_spec = dataclasses.replace(self._spec, sampling=True,
+                                                  proposal=proposal if drafter is not None else DEFAULT_PROPOSAL)
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
+
+    def _build(self, inputs) -> spec_round.StepSpec:
+        """The build a request runs: the sampling one when its inputs carry sampling settings."""
+        return self._sampling_spec if len(inputs) > 4 else self._spec
 
     def _call_prefill(self, *inputs):
         self.device_events.append(("prefill", ()))
-        return jit_prefill(self.target.params, self._draft_params, *inputs, spec=self._spec)
+        return jit_prefill(self.target.params, self._draft_params, *inputs, spec=self._build(inputs))
 
-    def _call_rounds(self, state):
+    def _call_rounds(self, state, spec: spec_round.StepSpec):
         """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
         self.device_events.append(("call", (self._rounds_per_call,)))
-        return jit_rounds(self.target.params, self._draft_params, state, spec=self._spec,
-                       num_rounds=self._rounds_per_call)
+        return jit_rounds(self.target.params, self._draft_params, state, spec=spec, num_rounds=self._rounds_per_call)
 
     def _fetch(self, packed: jax.Array) -> np.ndarray:
         """The engine's only device-to-host transfer: one int32 array per call (prefill, or a call of rounds)."""
@@ -116,8 +147,17 @@ class Engine:
 
     @property
     def spec(self) -> spec_round.StepSpec:
-        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for."""
+        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
+        every row is greedy; `sampling_spec` is the build for requests with sampled rows."""
         return self._spec
+
+    @property
+    def sampling_spec(self) -> spec_round.StepSpec:
+        return self._sampling_spec
+
+    @property
+    def proposal(self) -> str:
+        return self._sampling_spec.proposal
 
     @property
     def rounds_per_call(self) -> int:
@@ -129,43 +169,53 @@ class Engine:
         return self.drafter.params if self.drafter is not None else None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                 trace: bool = False) -> list[Result]:
-        """Greedy continuation of each prompt (token ids); see `Result`. trace=True also keeps each
-        round's drafts and target choices (`Result.rounds`): they travel in the round's one transfer
-        either way, so tracing adds no device work and no transfer."""
+                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None, trace: bool = False) -> list[Result]:
+        """Continuation of each prompt (token ids); see `Result`.
+
+        temperature, top_k, top_p, seed: each a scalar for every prompt or a list with one per prompt.
+        temperature 0 is greedy (the argmax; the other settings are then ignored); else the row samples
+        from the target's distribution filtered as transformers' generate does (temperature, then top-k,
+        then top-p; top_k 0 and top_p 1 mean no filter). seed None draws fresh entropy; an int in
+        [0, 2**64) fixes the row's draws, which depend on its seed, prompt and settings only, not on the
+        other rows. Bad values raise ValueError before any device work.
+        trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
+        the round's one transfer either way, so tracing adds no device work and no transfer."""
         tokens = [[] for _ in prompts]
         accepts = [[] for _ in prompts]
         traces = [[] for _ in prompts]
         reasons = ["length"] * len(prompts)
         stops = set(stop_token_ids)
-        for out, live in self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids)):
+        settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        for out, live in self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids, **settings)):
+            accepted, done = out.accepted.tolist(), out.done.tolist()
             for i, new in enumerate(out.tokens):
                 tokens[i].extend(new)
                 if live[i]:
-                    accepts[i].append(int(out.accepted[i]))
+                    accepts[i].append(accepted[i])
                     if trace:
-                        traces[i].append(
-                            RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), int(out.accepted[i])))
-                if out.done[i] and new and new[-1] in stops:
+                        traces[i].append(RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), accepted[i]))
+                if done[i] and new and new[-1] in stops:
                     reasons[i] = "stop"
         return [Result(t, r, a, tr if trace else None) for t, r, a, tr in zip(tokens, reasons, accepts, traces)]
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               stop_token_ids: Sequence[int] = ()) -> Iterator[list[list[int]]]:
-        """Yields, once per round, the new tokens of each prompt. Safe to abandon at any point. A bad
-        request raises here, before the first chunk is asked for."""
-        rounds = self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids))
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+               *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[list[list[int]]]:
+        """Yields, once per round, the new tokens of each prompt; the settings are `generate`'s. Safe to
+        abandon at any point. A bad request raises here, before the first chunk is asked for."""
+        settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        rounds = self._rounds(*self._prepare(prompts, max_new_tokens, stop_token_ids, **settings))
         return (out.tokens for out, _ in rounds)
 
     def _rounds(self, inputs, budget: np.ndarray):
         """Yields (round output, which rows were live in a speculative round) for prefill and each round.
         budget: the most tokens each row can emit (max_new_tokens, or the room left below max_len)."""
         self.device_events = []
+        spec = self._build(inputs)
         state, packed = self._call_prefill(*inputs)
         out = _RoundOutput.unpack(self._fetch(packed))
         yield out, [False] * len(out.tokens)
         left = budget - np.array([len(t) for t in out.tokens])
-        pending = self._call_rounds(state) if not out.done.all() else None
+        pending = self._call_rounds(state, spec) if not out.done.all() else None
         most_per_call = self.rounds_per_call * (self.num_draft_tokens + 1)
         while pending is not None:
             state, packed = pending
@@ -174,9 +224,9 @@ class Engine:
             # pause of one dispatch instead of a call of rounds run in vain. A stop token can still waste one.
             following = None
             if np.any((left > most_per_call) & ~out.done):
-                following = self._call_rounds(state)
+                following = self._call_rounds(state, spec)
             for round_packed in self._fetch(packed):
-                speculative_rows = ~out.done & (self.drafter is not None)
+                speculative_rows = (~out.done & (self.drafter is not None)).tolist()
                 out = _RoundOutput.unpack(round_packed)
                 left -= np.array([len(t) for t in out.tokens])
                 yield out, speculative_rows
@@ -185,11 +235,13 @@ class Engine:
             if out.done.all():
                 pending = None
             else:
-                pending = following if following is not None else self._call_rounds(state)
+                pending = following if following is not None else self._call_rounds(state, spec)
 
-    def _prepare(self, prompts, max_new_tokens, stop_token_ids):
+    def _prepare(self, prompts, max_new_tokens, stop_token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=None):
         """Checks the request on the host and builds the device inputs; raises ValueError before any device work.
-        Returns the inputs and the most tokens each row can emit."""
+        Returns the inputs (with the rows' SamplingParams last when some row samples) and the most tokens
+        each row can emit."""
+        self.device_events = []  # a request refused here did nothing on the device
         vocab = self.target.config.vocab_size
         if isinstance(prompts, (str, bytes)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -197,15 +249,15 @@ class Engine:
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple, np.ndarray)):
-                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+            if not isinstance(p, (list, tuple, np.ndarray)):  # a ValueError, as for every bad request
+                raise ValueError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")  # noqa: TRY004
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) > self.max_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_len={self.max_len}")
-            bad = [t for t in p if not (0 <= int(t) < vocab)]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+            if min(p) < 0 or max(p) >= vocab:
+                bad = next(t for t in p if not 0 <= t < vocab)
+                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
         bad_stops = [t for t in stop_token_ids if not (0 <= int(t) < vocab)]
         if bad_stops:
             raise ValueError(f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
@@ -221,5 +273,50 @@ class Engine:
         lengths = np.array([len(p) for p in prompts], np.int32)
         # No row can emit more than max_len tokens: the clamp keeps the int32 in range.
         max_new = min(int(max_new_tokens), self.max_len)
-        inputs = jax.device_put((tokens, lengths, np.full((B,), max_new, np.int32), stops))
+        host = (tokens, lengths, np.full((B,), max_new, np.int32), stops)
+        settings = _sampling_settings(B, temperature, top_k, top_p, seed)
+        inputs = jax.device_put(host if settings is None else host + (settings,))
         return inputs, np.minimum(max_new, self.max_len - lengths)
+
+
+def _per_row(name: str, value, B: int) -> list:
+    """A scalar for every row, or a list of one value per row."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != B:
+            raise ValueError(f"{name} has {len(value)} values for {B} prompts")
+        return list(value)
+    return [value] * B
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _sampling_settings(B: int, temperature, top_k, top_p, seed) -> SamplingParams | None:
+    """The rows' sampling settings as host arrays, checked; None when every row is greedy."""
+    temps, ks, ps, seeds = (_per_row(n, v, B) for n, v in
+                            (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)))
+    for t in temps:
+        if not _is_real(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+    for k in ks:
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {k!r}")
+    for p in ps:
+        if not _is_real(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: no top-p filter), got {p!r}")
+    for s in seeds:
+        if s is not None and (not _is_int(s) or not 0 <= s < 2**64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {s!r}")
+    if all(t == 0 for t in temps):
+        return None
+    seeds = [secrets.randbits(64) if s is None else int(s) for s in seeds]
+    key_data = np.array([[s >> 32, s & 0xFFFFFFFF] for s in seeds], np.uint32)
+    # top_k beyond int32 keeps every token, as any value >= the vocabulary size does.
+    top_k = np.array([min(int(k), 2**31 - 1) for k in ks], np.int32)
+    return SamplingParams(temperature=np.array(temps, np.float32), top_k=top_k, top_p=np.array(ps, np.float32),
+                          seed=key_data)

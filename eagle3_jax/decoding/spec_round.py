@@ -7,7 +7,11 @@ Invariants, per row b:
   * the drafter cache holds the pairs (g_t, x_{t+1}) for t < n, at positions t, so its length is n
     too; `draft_hidden` is the drafter's pre-norm output at position n - 1, from which d_1 comes;
   * a row that is done is frozen: nothing it owns changes any more.
-A round with gamma = 0 and no drafter is a plain greedy decoding step.
+A round with gamma = 0 and no drafter is a plain decoding step.
+
+Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
+settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
+tokens as the greedy build), and the others sample losslessly (decoding/sampling.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
@@ -35,6 +40,7 @@ class DecodeState:
     max_new: jax.Array  # [B] int32, the request's max_new_tokens
     stop_ids: jax.Array  # [B, P] int32 padded with -1
     done: jax.Array  # [B] bool
+    sampling: sampling_lib.SamplingParams | None = None  # per-row settings; None in a greedy build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,8 @@ class StepSpec:
     gamma: int
     max_len: int
     kernels: str  # see eagle3_jax/models/kernels.py
+    sampling: bool = False  # rows may sample (DecodeState.sampling); False: every row is greedy
+    proposal: str = "argmax"  # how sampled rows draft: "argmax" (q one-hot) or "sample" (x ~ q)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -77,14 +85,21 @@ def _pack(choices, drafts, num_emit, accepted, done) -> jax.Array:
     return jnp.concatenate([choices, drafts] + columns, axis=1)
 
 
-def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec: StepSpec):
-    """tokens [B, Tp] right-padded prompts -> (DecodeState, packed first token)."""
+def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, sampling=None, *, spec: StepSpec):
+    """tokens [B, Tp] right-padded prompts -> (DecodeState, packed first token). sampling: the rows'
+    settings (SamplingParams) when spec.sampling, else None."""
     B, Tp = tokens.shape
     dtype = tparams["embed"].dtype
     cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
     hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels)
     rows = jnp.arange(B)
-    first = jnp.argmax(target_lib.logits(tparams, hidden[rows, prompt_lengths - 1]), axis=-1).astype(jnp.int32)
+    logits = target_lib.logits(tparams, hidden[rows, prompt_lengths - 1])
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if spec.sampling:
+        s = sampling
+        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
+        drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs)
+        first = jnp.where(s.greedy, first, drawn)
     draft_cache = draft_hidden = None
     if spec.drafter is not None:
         # Pairs (g_t, x_{t+1}) for t < prompt length: the prompt shifted left, then the first token.
@@ -106,6 +121,7 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, *, spec
         max_new=max_new,
         stop_ids=stop_ids,
         done=prompt_lengths >= spec.max_len,  # no room for even one token
+        sampling=sampling,
     )
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
@@ -120,17 +136,57 @@ def _accept(drafts, choices, room):
     return jnp.clip(accepted, 0, jnp.maximum(room, 0))
 
 
+def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
+    """The drafter's chain: (drafts [B, G] target ids, q [B, G, Vd] or None, the drafter cache). Greedy
+    unless the build samples with proposal "sample": then sampled rows draw each draft from the drafter's
+    filtered distribution q (the same filters as the target's), and greedy rows still take the argmax."""
+    embed = dparams.get("embed", tparams["embed"])
+    args = (dparams, spec.drafter, embed, state.draft_hidden, state.draft_cache, spec.gamma, spec.kernels)
+    if not (spec.sampling and spec.proposal == "sample"):
+        drafts, cache = drafter_lib.draft_chain(*args)
+        return drafts, None, cache
+    s = state.sampling
+
+    def propose(logits, step):
+        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
+        drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
+        return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
+
+    return drafter_lib.draft_chain(*args, propose=propose)
+
+
+def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, spec: StepSpec):
+    """The target's side of a round: (choices [B, G + 1], accepted [B]). Greedy rows: choices are the
+    argmax after each of [x_n, d_1 .. d_G] and the drafts are accepted while they match. Sampled rows
+    (a sampling build): the accepted drafts, then the token sampled after them, then the argmax."""
+    choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    accepted = _accept(drafts, choices, room)
+    if not spec.sampling:
+        return choices, accepted
+    s, V = state.sampling, logits.shape[-1]
+    p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None])
+    if draft_q is None:  # argmax drafts: q is one-hot at the draft
+        q = jax.nn.one_hot(drafts, V, dtype=p.dtype)
+    else:  # q lives on the draft vocabulary: 0 for every other target token
+        draft_ids = drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size))
+        q = sampling_lib.on_vocabulary(draft_q, draft_ids, V)
+    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, q, room)
+    drawn = jnp.where(jnp.arange(spec.gamma + 1)[None, :] > drawn_accepted[:, None], choices, drawn)
+    return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
+
+
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
-    """Draft gamma tokens, verify them in one target step, accept greedily, commit by index, rebuild."""
+    """Draft gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
+    for sampled rows), commit by index, rebuild."""
     n = state.target_cache.lengths
     B, G = n.shape[0], spec.gamma
-    embed = None
+    embed = draft_q = None
+    # A sampled row's draws in this round come from its seed and the index of the first token it emits.
+    keys = sampling_lib.row_keys(state.sampling.seed, n + 1) if spec.sampling else None
     if G > 0:
         embed = dparams.get("embed", tparams["embed"])
         with jax.named_scope("draft"):
-            drafts, draft_cache = drafter_lib.draft_chain(
-                dparams, spec.drafter, embed, state.draft_hidden, state.draft_cache, G, spec.kernels
-            )
+            drafts, draft_q, draft_cache = _draft(tparams, dparams, state, keys, spec)
         verify_tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     else:
         drafts = jnp.zeros((B, 0), jnp.int32)
@@ -139,9 +195,9 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         hidden, tcache, features = target_lib.forward(
             tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.kernels
         )
-        choices = jnp.argmax(target_lib.logits(tparams, hidden), axis=-1).astype(jnp.int32)  # [B, G + 1]
-    # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
-    accepted = _accept(drafts, choices, spec.max_len - n - 2)
+        # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
+        choices, accepted = _verify(state, target_lib.logits(tparams, hidden), drafts, draft_q, keys,
+                                    spec.max_len - n - 2, dparams, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
     num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)

@@ -120,28 +120,44 @@ def draft_logits(params, cfg: DrafterConfig, hidden) -> jax.Array:
 
 def draft_token(params, cfg: DrafterConfig, hidden) -> jax.Array:
     """Greedy draft: argmax over the draft vocabulary, then d2t maps it to a target id (no scatter)."""
-    draft_id = jnp.argmax(draft_logits(params, cfg, hidden), axis=-1)
+    return to_target_id(params, jnp.argmax(draft_logits(params, cfg, hidden), axis=-1))
+
+
+def to_target_id(params, draft_id) -> jax.Array:
+    """Draft-vocabulary ids -> target ids through d2t's offsets."""
     return (draft_id + params["d2t"][draft_id]).astype(jnp.int32)
 
 
-def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, kernels: str):
-    """gamma greedy drafts from hidden [B, D], the pre-norm output at the newest committed pair.
+def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, kernels: str,
+                propose=None):
+    """gamma drafts from hidden [B, D], the pre-norm output at the newest committed pair.
 
     d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
-    lengths + k - 2. A lax.scan, so the argmax never leaves the device. Returns drafts [B, gamma]
-    (target ids) and the cache holding the speculative entries (lengths unchanged: they are
-    discarded by the rebuild after verify).
+    lengths + k - 2. A lax.scan, so the choice never leaves the device. Drafts are greedy (argmax) unless
+    `propose(logits [B, Vd] float32, step)` is given: it returns (draft ids [B], q [B, Vd]), the draft
+    vocabulary ids it drew and the distribution it drew them from, which sampled speculation needs.
+    Returns drafts [B, gamma] (target ids), with `propose` also q [B, gamma, Vd], and the cache holding
+    the speculative entries (lengths unchanged: they are discarded by the rebuild after verify).
     """
-    first = draft_token(params, cfg, hidden)
+    def choose(h, step):
+        if propose is None:
+            return draft_token(params, cfg, h), None
+        draft_id, q = propose(draft_logits(params, cfg, h), step)
+        return to_target_id(params, draft_id), q
+
+    first, first_q = choose(hidden, 0)
 
     def step(carry, k):
         h, token, buf = carry
         out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels)
         out = out[:, 0]
-        nxt = draft_token(params, cfg, out)
-        return (carried(params, cfg, out), nxt, buf), nxt
+        nxt, q = choose(out, k + 1)
+        return (carried(params, cfg, out), nxt, buf), (nxt, q)
 
-    (_, _, cache_out), rest = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache),
-                                           jnp.arange(gamma - 1, dtype=jnp.int32))
+    (_, _, cache_out), (rest, rest_q) = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache),
+                                                     jnp.arange(gamma - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
-    return drafts, cache_out.with_lengths(cache.lengths)
+    if propose is None:
+        return drafts, cache_out.with_lengths(cache.lengths)
+    q = jnp.concatenate([first_q[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
+    return drafts, q, cache_out.with_lengths(cache.lengths)

@@ -1,0 +1,300 @@
+"""Sampling through Engine.generate: the distribution of the first three tokens against an exact float64
+enumeration (chi-square, spec off and both proposal modes at gamma 1-3), the gate's power against two
+wrong samplers, rows that behave (greedy rows in mixed batches, seeds), the edges, bad settings, and no
+recompilation when settings change."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import eagle3_jax
+from benchmarks.measure import count_compilations
+from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import sampling
+
+import drafter_oracle as oracle
+import spec_worlds as worlds
+
+V, VD, H = 16, 10, 16  # target vocabulary, the drafter's (a strict subset), width
+PROMPT = [3, 9, 1]
+N = 50_000  # samples per case
+MAX_LEN = 8  # prompt 3 + a first round of up to gamma + 1 = 4 tokens, so the prefill bucket is 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 16-token Qwen3 built by transformers (kept in float64 as the oracle) and a random drafter over 10
+    of its tokens, both loaded in float32."""
+    root = tmp_path_factory.mktemp("sampling")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                      initializer_range=0.3, rms_norm_eps=1e-6)
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(root / "target")
+    target = eagle3_jax.load_target(root / "target", dtype="float32", progress=False)
+    spec = oracle.DraftSpec(hidden_size=H, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8,
+                            target_hidden_size=H, target_vocab_size=V, draft_vocab_size=VD)
+    oracle.write_specforge(root / "drafter", spec, oracle.random_drafter_state(spec, 3))
+    drafter = eagle3_jax.load_drafter(root / "drafter", target, dtype="float32")
+    return model.double(), target, drafter
+
+
+def oracle_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """transformers' warpers in generate's order, in float64, then softmax: [N, V] -> [N, V]."""
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def exact_first_three(model, settings) -> np.ndarray:
+    """P(t1, t2, t3) [V, V, V] in float64, enumerated from the target's own next-token distributions."""
+    def next_probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes)).logits[:, -1]
+        return oracle_probs(logits, *settings)
+
+    p1 = next_probs([PROMPT])[0]
+    p2 = next_probs([PROMPT + [a] for a in range(V)])
+    p3 = next_probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def gate_p_value(tokens: np.ndarray, exact: np.ndarray) -> float:
+    """Chi-square of the observed first three tokens [n, 3] against the exact distribution, outcomes merged
+    (least likely first) until each bin expects >= 5. A sample of an impossible outcome gives 0."""
+    observed = np.bincount(tokens @ np.array([V * V, V, 1]), minlength=V**3)
+    expected = exact.ravel() * len(tokens)
+    if observed[expected == 0].any():
+        return 0.0
+    bins_o, bins_e, acc_o, acc_e = [], [], 0, 0.0
+    for i in np.argsort(expected):
+        if expected[i] == 0:
+            continue
+        acc_o, acc_e = acc_o + observed[i], acc_e + expected[i]
+        if acc_e >= 5:
+            bins_o.append(acc_o)
+            bins_e.append(acc_e)
+            acc_o, acc_e = 0, 0.0
+    bins_o[-1] += acc_o
+    bins_e[-1] += acc_e
+    return float(stats.chisquare(bins_o, np.array(bins_e) * len(tokens) / np.sum(bins_e)).pvalue)
+
+
+def sample_first_three(engine, settings_list, seed0: int) -> list[np.ndarray]:
+    """N rows of PROMPT per settings, all in one generate call, each row with its own seed."""
+    rows = [s for s in settings_list for _ in range(N)]
+    results = engine.generate([PROMPT] * len(rows), 3, temperature=[s[0] for s in rows],
+                              top_k=[s[1] for s in rows], top_p=[s[2] for s in rows],
+                              seed=list(range(seed0, seed0 + len(rows))))
+    tokens = np.array([r.token_ids for r in results])
+    return [tokens[i * N : (i + 1) * N] for i in range(len(settings_list))]
+
+
+# (temperature, top_k, top_p): plain, top-k, top-p, both, spread over the configurations below. The
+# filters themselves are checked against transformers on many more settings in test_sampling.py.
+PLAIN_07, TOPK_10, TOPP_13, BOTH_10 = (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (1.0, 8, 0.85)
+CONFIGS = [  # (gamma, proposal, settings)
+    (0, "argmax", [TOPP_13]),
+    (1, "argmax", [PLAIN_07]), (2, "argmax", [BOTH_10]), (3, "argmax", [TOPK_10]),
+    (1, "sample", [TOPK_10]), (2, "sample", [TOPP_13]), (3, "sample", [BOTH_10]),
+]
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    model = tiny[0]
+    return {s: exact_first_three(model, s) for s in (PLAIN_07, TOPK_10, TOPP_13, BOTH_10)}
+
+
+def make_engine(tiny, gamma, proposal, **kwargs):
+    _, target, drafter = tiny
+    return eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=MAX_LEN,
+                             proposal=proposal, rounds_per_call=1, **kwargs)
+
+
+@pytest.mark.parametrize("gamma, proposal, settings", CONFIGS, ids=[f"{p}-g{g}" for g, p, _ in CONFIGS])
+def test_first_three_tokens_follow_the_exact_distribution(tiny, exact, gamma, proposal, settings):
+    samples = sample_first_three(make_engine(tiny, gamma, proposal), settings, seed0=1000 * gamma)
+    for s, tokens in zip(settings, samples):
+        assert gate_p_value(tokens, exact[s]) > 1e-4, s
+
+
+@pytest.fixture
+def wrong(monkeypatch):
+    """Swaps a function of sampling.py for a wrong one; the jitted steps are retraced around the swap."""
+    def swap(name, fn):
+        monkeypatch.setattr(sampling, name, fn)
+        engine_lib.jit_prefill.clear_cache()
+        engine_lib.jit_rounds.clear_cache()
+    yield swap
+    engine_lib.jit_prefill.clear_cache()
+    engine_lib.jit_rounds.clear_cache()
+
+
+@pytest.mark.parametrize("mistake, proposal", [("accept every draft", "argmax"), ("resample from p", "sample")])
+def test_the_gate_rejects_wrong_samplers(tiny, exact, wrong, mistake, proposal):
+    if mistake == "accept every draft":
+        wrong("accept", lambda u, p_x, q_x: jnp.ones(u.shape, bool))
+    else:
+        wrong("residual", lambda p, q: p)
+    # No filter: every outcome is possible, so only the chi-square statistic itself can reject.
+    (tokens,) = sample_first_three(make_engine(tiny, 2, proposal), [PLAIN_07], seed0=7)
+    assert exact[PLAIN_07].min() > 0 and gate_p_value(tokens, exact[PLAIN_07]) < 1e-6
+
+
+# ----------------------------------------------------------------------------- rows, seeds, edges, settings
+
+PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """spec_worlds' random pair (draft vocabulary 32 of 48) and its permutation target with the pi2 drafter
+    (first draft always right), in float32."""
+    root = tmp_path_factory.mktemp("sampling_worlds")
+    out = {}
+    for kind, drafter_kind in (("random", "random"), ("permutation", "pi2")):
+        _, target = worlds.save_target(kind, root / kind)
+        out[kind] = target, worlds.save_drafter(drafter_kind, root / drafter_kind, target)[2]
+    return out
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_greedy_rows_in_a_mixed_batch_equal_greedy_decoding(world, proposal):
+    target, drafter = world["random"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
+    prompts = PROMPTS + PROMPTS
+    greedy = engine.generate(prompts, 20)
+    mixed = engine.generate(prompts, 20, temperature=[0.0, 1.0, 0.0, 0.8, 0.0, 1.3], top_k=[0, 5, 3, 0, 0, 10],
+                            top_p=[1.0, 0.9, 0.5, 1.0, 1.0, 0.95], seed=[1, 2, 3, 4, 5, 6])
+    for i in (0, 2, 4):
+        assert mixed[i] == greedy[i]
+    assert any(mixed[i].token_ids != greedy[i].token_ids for i in (1, 3, 5))
+
+
+@pytest.mark.parametrize("gamma, proposal", [(0, "argmax"), (3, "sample")])
+def test_seeds_fix_the_output_and_rows_are_independent(world, gamma, proposal):
+    """Same seeds, same tokens, whatever the other rows and the rounds per call; other seeds, other
+    tokens; seed None, fresh ones."""
+    target, drafter = world["random"]
+
+    def run(prompts, seeds, rounds_per_call=4, **kwargs):
+        engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=64,
+                                   proposal=proposal, rounds_per_call=rounds_per_call)  # as the tests below
+        return [r.token_ids for r in engine.generate(prompts, 24, temperature=1.0, seed=seeds, **kwargs)]
+
+    first = run(PROMPTS, [11, 12, 13])
+    assert run(PROMPTS, [11, 12, 13], rounds_per_call=1) == first
+    assert run([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [13, 11, 12]) == [first[2], first[0], first[1]]
+    assert run([PROMPTS[1]] * 3, 12)[1] == first[1]  # beside other rows, with a scalar seed: the same row
+    assert run(PROMPTS, [11, 12, 13], top_k=[0, 0, 0], top_p=1.0) == first
+    other = run(PROMPTS, [21, 22, 23])
+    assert all(a != b for a, b in zip(first, other))
+    assert run(PROMPTS, None) != run(PROMPTS, None)
+
+
+def test_stops_and_max_new_inside_accepted_spans_while_sampling(world):
+    """A sampled row's draws depend on its seed and positions only, so cutting its output with a stop token
+    or max_new_tokens leaves the tokens before the cut as they were. The permutation world at temperature 2
+    samples, and pi2's first draft is often accepted: cuts fall inside accepted spans."""
+    target, drafter = world["permutation"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal="sample")
+    settings = {"temperature": 2.0, "seed": 5}
+    (full,) = engine.generate([PROMPTS[0]], 24, **settings)
+    assert max(full.accept_lengths) >= 1 and full.token_ids != spec_off_greedy(target, [PROMPTS[0]], 24)[0]
+    for cut in range(1, 10):
+        stop = full.token_ids[cut]
+        first = full.token_ids.index(stop)
+        (result,) = engine.generate([PROMPTS[0]], 24, stop_token_ids=[stop], **settings)
+        assert result.token_ids == full.token_ids[: first + 1] and result.finish_reason == "stop"
+        (result,) = engine.generate([PROMPTS[0]], cut, **settings)
+        assert result.token_ids == full.token_ids[:cut] and result.finish_reason == "length"
+
+
+def spec_off_greedy(target, prompts, max_new, max_len=64):
+    return [r.token_ids for r in eagle3_jax.Engine(target, max_len=max_len).generate(prompts, max_new)]
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_cache_edge_while_sampling(world, proposal):
+    """Every start length within gamma + 2 of max_len, sampling through the rejection sampler: no error,
+    every row filled to max_len. With top_k 1 sampling is deterministic (p and q one-hot at their argmax),
+    so the output must also be plain greedy decoding's, accept lengths and all."""
+    target, drafter = world["random"]
+    gamma, max_len = 3, 64
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len, proposal=proposal)
+    rng = np.random.default_rng(gamma)
+    # 6 prompts (lengths 59 .. 64): the batch of the mixed-batch test above, so its programs are reused.
+    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len + 1)]
+    greedy = engine.generate(prompts, 50)
+    top1 = engine.generate(prompts, 50, temperature=1.0, top_k=1, seed=list(range(len(prompts))))
+    sampled = engine.generate(prompts, 50, temperature=1.0, seed=list(range(len(prompts))))
+    for p, g, t, s in zip(prompts, greedy, top1, sampled):
+        assert t == g
+        assert len(p) + len(s.token_ids) == max_len and s.finish_reason == "length"
+        assert all(0 <= a <= gamma for a in s.accept_lengths)
+
+
+BAD = [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": "hot"}, "temperature must be a finite number"),
+    ({"temperature": [1.0, 1.0]}, "temperature has 2 values for 3 prompts"),
+    ({"top_k": -1}, r"top_k must be an int >= 0 \(0: no top-k filter\), got -1"),
+    ({"top_k": 2.5}, "top_k must be an int"),
+    ({"top_k": True}, "top_k must be an int"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": [0.9] * 4}, "top_p has 4 values for 3 prompts"),
+    ({"seed": 1.5}, r"seed must be None or an int in \[0, 2\*\*64\), got 1.5"),
+    ({"seed": -1}, "seed must be None or an int"),
+    ({"seed": 2**64}, "seed must be None or an int"),
+    ({"seed": "7"}, "seed must be None or an int"),
+    ({"seed": [1, 2]}, "seed has 2 values for 3 prompts"),
+]
+
+
+@pytest.mark.parametrize("settings, message", BAD, ids=[str(s) for s, _ in BAD])
+def test_bad_settings_raise_before_device_work(world, settings, message):
+    target, drafter = world["random"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
+    engine.generate(PROMPTS, 2, temperature=1.0)
+    with count_compilations() as compiles:
+        for call in (engine.generate, engine.stream):
+            with pytest.raises(ValueError, match=message):
+                call(PROMPTS, 4, **{"temperature": 1.0, **settings})
+    assert engine.device_events == [] and compiles.count == 0
+
+
+def test_bad_proposal_is_refused(world):
+    target, drafter = world["random"]
+    with pytest.raises(ValueError, match=r"proposal must be one of \('argmax', 'sample'\), got 'greedy'"):
+        eagle3_jax.Engine(target, drafter, max_len=64, proposal="greedy")
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal):
+    target, drafter = world["random"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
+    engine.generate(PROMPTS, 16, temperature=0.7, seed=0)  # compiles the sampling build
+    requests = [
+        {"temperature": 1.3, "top_k": 5, "top_p": 0.9, "seed": 3},
+        {"temperature": [0.0, 0.6, 2.0], "top_k": [0, 20, 1], "top_p": [1.0, 0.95, 0.3], "seed": [1, None, 2**64 - 1]},
+        {"temperature": 0.6, "top_k": 10**12, "top_p": 1.0},
+    ]
+    with jax.transfer_guard("disallow"), count_compilations() as compiles:
+        for settings in requests:
+            results = engine.generate(PROMPTS, 16, **settings)
+            transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
+            calls = -(-max(len(r.accept_lengths) for r in results) // 4)
+            assert transfers == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+            assert [kind for kind, _ in engine.device_events].count("call") == calls
+    assert compiles.count == 0
