@@ -6,11 +6,12 @@ import argparse
 import collections
 import importlib.metadata
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
 
-from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
+from eagle3_jax.decoding.engine import DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 
@@ -48,6 +49,47 @@ def _default_cache_dir() -> str | None:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "xla")
 
 
+# What transformers' generate uses for a sampling setting its GenerationConfig leaves unset.
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def _sampling(args) -> dict:
+    """The sampling settings: the flags given; with none given, the target folder's generation_config.json
+    read as transformers reads it (its do_sample, temperature, top_k and top_p, transformers' defaults for
+    any it leaves out); else greedy. A run without --seed draws one, so the printed settings repeat it."""
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    given = {k: v for k, v in flags.items() if v is not None}
+    source = "flags" if given else "defaults"
+    if not given and (Path(args.target) / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        config = GenerationConfig.from_pretrained(args.target)
+        if config.do_sample:
+            given = {k: _HF_DEFAULTS[k] if getattr(config, k) is None else getattr(config, k) for k in flags}
+        source = "generation_config.json"
+    settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **given}
+    settings["seed"] = args.seed if args.seed is not None else secrets.randbits(32)
+    return {"settings": settings, "source": source}
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    """--prompt-ids as given, or --prompt tokenized, through the tokenizer's chat template with --chat."""
+    if args.prompt is None:
+        if args.chat:
+            raise SystemExit("error: --chat renders --prompt text; it cannot take --prompt-ids")
+        return args.prompt_ids
+    if tokenizer is None:
+        raise SystemExit(f"error: {args.target} has no tokenizer; pass --prompt-ids instead of --prompt")
+    if not args.chat:
+        return tokenizer(args.prompt)["input_ids"]
+    if not tokenizer.chat_template:
+        raise SystemExit(f"error: {args.target}'s tokenizer has no chat template; drop --chat")
+    extra = {} if args.thinking is None else {"enable_thinking": args.thinking}  # Qwen3's template reads it
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                         add_generation_prompt=True, **extra)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _generate(args) -> int:
     import eagle3_jax
 
@@ -55,24 +97,24 @@ def _generate(args) -> int:
     target = eagle3_jax.load_target(args.target, dtype=args.dtype)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
     tokenizer = _tokenizer(Path(args.target))
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise SystemExit(f"error: {args.target} has no tokenizer; pass --prompt-ids instead of --prompt")
-        prompt = tokenizer(args.prompt)["input_ids"]
-    else:
-        prompt = args.prompt_ids
+    prompt = _prompt_ids(args, tokenizer)
+    sampling = _sampling(args)
+    settings = sampling["settings"]
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
-                               kernels=args.kernels, rounds_per_call=args.rounds_per_call)
+                               kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal)
     has_eos = tokenizer is not None and tokenizer.eos_token_id is not None
     stops = args.stop_ids or ([tokenizer.eos_token_id] if has_eos else [])
-    engine.generate([prompt], max_new_tokens=2)  # compile prefill and the round outside the timing
+    # Compile prefill and the round outside the timing (the same build: greedy or sampling).
+    engine.generate([prompt], max_new_tokens=2, **settings)
     start = time.perf_counter()
-    (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+    (result,) = engine.generate([prompt], max_new_tokens=args.max_new_tokens, stop_token_ids=stops, **settings)
     elapsed = time.perf_counter() - start
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else " ".join(map(str, result.token_ids))
     print(text)
-    print(f"\n{len(result.token_ids)} tokens in {elapsed:.3f} s: {len(result.token_ids) / elapsed:.1f} tokens/s "
+    used = ", ".join(f"{k}={v}" for k, v in settings.items()) if settings["temperature"] else "greedy"
+    print(f"\nsampling: {used} (from {sampling['source']})")
+    print(f"{len(result.token_ids)} tokens in {elapsed:.3f} s: {len(result.token_ids) / elapsed:.1f} tokens/s "
           f"(finish: {result.finish_reason})")
     if drafter is not None and result.accept_lengths:
         tau = sum(a + 1 for a in result.accept_lengths) / len(result.accept_lengths)
@@ -132,12 +174,21 @@ def _regenerate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation, speculative with --drafter")
+    gen = sub.add_parser("generate", help="greedy or sampled generation, speculative with --drafter")
     gen.add_argument("--target", required=True, help="Qwen3 target folder (Hugging Face or converted)")
     gen.add_argument("--drafter", help="EAGLE-3 drafter folder")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the target folder's tokenizer)")
     source.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. '1,2,3'")
+    gen.add_argument("--chat", action="store_true", help="render --prompt with the tokenizer's chat template")
+    gen.add_argument("--thinking", action=argparse.BooleanOptionalAction,
+                     help="with --chat: the template's enable_thinking (Qwen3); default: the template's own")
+    gen.add_argument("--temperature", type=float, help="0 is greedy (default: generation_config.json, else 0)")
+    gen.add_argument("--top-k", type=int, help="0 is no top-k filter (default: generation_config.json, else 0)")
+    gen.add_argument("--top-p", type=float, help="1 is no top-p filter (default: generation_config.json, else 1)")
+    gen.add_argument("--seed", type=int, help="the sampling seed (default: a fresh one, printed)")
+    gen.add_argument("--proposal", choices=PROPOSALS, default=DEFAULT_PROPOSAL,
+                     help="how the drafter proposes for a sampled row (see eagle3_jax.Engine)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--num-draft-tokens", type=int, default=3)
     gen.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")

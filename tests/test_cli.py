@@ -109,3 +109,56 @@ def test_demo_runs(capsys):
     demo.main()
     out = capsys.readouterr().out
     assert out.count("output identical to spec off") == 3 and out.count("tau 2.00") == 3
+
+
+def _copy_target(folders, tmp_path, **generation_config):
+    import json
+    import shutil
+
+    folder = tmp_path / "target"
+    shutil.copytree(folders / "target", folder)
+    if generation_config:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder
+
+
+def test_generate_samples_with_generation_config_defaults_or_flags(folders, tmp_path, capsys):
+    """No sampling flag: the folder's generation_config.json (Qwen3's settings here), as transformers reads
+    it; any flag: the flags, the rest at the library's defaults. The settings used are printed."""
+    folder = _copy_target(folders, tmp_path, do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    common = ["generate", "--target", str(folder), "--prompt-ids", "3,17,5", "--max-new-tokens", "8",
+              "--dtype", "float32", "--max-len", "64", "--stop-ids", "47"]
+    target = eagle3_jax.load_target(folder, dtype="float32")
+    engine = eagle3_jax.Engine(target, max_len=64)
+    for flags, settings, line in [
+        (["--seed", "4"], {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 4},
+         "sampling: temperature=0.6, top_k=20, top_p=0.95, seed=4 (from generation_config.json)"),
+        (["--temperature", "1.5", "--top-p", "0.9", "--seed", "2"], {"temperature": 1.5, "top_p": 0.9, "seed": 2},
+         "sampling: temperature=1.5, top_k=0, top_p=0.9, seed=2 (from flags)"),
+    ]:
+        assert main(common + flags) == 0
+        out = capsys.readouterr().out.splitlines()
+        (expected,) = engine.generate([[3, 17, 5]], 8, stop_token_ids=[47], **settings)
+        assert out[0] == " ".join(f"w{t}" for t in expected.token_ids) and line in out
+
+
+def test_chat_renders_the_template_with_enable_thinking(folders, tmp_path, capsys):
+    import argparse
+
+    from eagle3_jax.cli import _prompt_ids, _tokenizer
+
+    folder = _copy_target(folders, tmp_path, do_sample=False)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}w3{% else %}w2{% endif %}")
+    tokenizer.save_pretrained(folder)
+    tokenizer = _tokenizer(folder)
+    for thinking, last in ((None, 2), (True, 2), (False, 3)):
+        args = argparse.Namespace(prompt="w5 w6", prompt_ids=None, chat=True, thinking=thinking, target=str(folder))
+        assert _prompt_ids(args, tokenizer) == [1, 5, 6, last]
+    assert main(["generate", "--target", str(folder), "--prompt", "w5 w6", "--chat", "--no-thinking",
+                 "--max-new-tokens", "3", "--dtype", "float32", "--max-len", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    pi = worlds.PI
+    assert out[0].split() == [f"w{pi[3]}", f"w{pi[pi[3]]}", f"w{pi[pi[pi[3]]]}"]
+    assert "sampling: greedy (from generation_config.json)" in out
