@@ -32,6 +32,7 @@ from benchmarks import measure
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding import spec_round
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL, Engine
 from eagle3_jax.models import eagle3 as drafter_lib
@@ -455,6 +456,61 @@ class Bench:
         if device == "cuda":
             torch.cuda.empty_cache()
 
+    def sampling(self, batch: int, gamma: int, kernels: str) -> None:
+        """A sampled round against a greedy round, as the engine runs them (issue 15's goal: at most 3% more):
+        each proposal mode at Qwen3's generation_config settings (temperature 0.6, top-k 20, top-p 0.95) and
+        with top-p alone (temperature 1, top-p 0.95). Then the filter alone over the verify's logits
+        [batch (gamma + 1), V]: the radix-search form the engine runs against one sort per row."""
+        L = self.plan.spec_kv_length
+        capacity = min(L + 512, self.plan.target.max_position_embeddings)
+        greedy, compile_s = self._sampling_round(batch, gamma, kernels, capacity, None, None)
+        entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": self.rounds_per_call,
+                 "greedy_ms": greedy * 1e3, "compile_s": {"greedy": compile_s}}
+        for proposal in engine_lib.PROPOSALS:
+            for label, settings in (("qwen3_defaults", (0.6, 20, 0.95)), ("top_p_only", (1.0, 0, 0.95))):
+                seconds, compile_s = self._sampling_round(batch, gamma, kernels, capacity, proposal, settings)
+                entry[f"{proposal}_{label}_ms"] = seconds * 1e3
+                entry[f"{proposal}_{label}_extra"] = seconds / greedy - 1
+                entry["compile_s"].setdefault(proposal, compile_s)  # new settings reuse the executable
+        rows, V = batch * (gamma + 1), self.plan.target.vocab_size
+        logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
+        settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
+        for name, fn in (("filter_search_ms", sampling_lib.filtered_probs), ("filter_sort_ms", sorted_filter)):
+            compiled = jax.jit(fn).lower(logits, *settings).compile()
+            entry[name] = self._time_pure(compiled, logits, *settings) * 1e3
+        self.results.setdefault("sampling", []).append(entry)
+        self.log(f"sampling {json.dumps(entry)}")
+        self.save()
+
+    def _sampling_round(self, batch, gamma, kernels, capacity, proposal, settings) -> tuple[float, float]:
+        """(seconds per round, compile seconds) of a call of rounds from a random state at the plan's KV
+        length: greedy when proposal is None, else every row sampling with settings (t, top_k, top_p)."""
+        spec = spec_round.StepSpec(target=self.plan.target, drafter=self.plan.drafter, gamma=gamma,
+                                   max_len=capacity, kernels=kernels, sampling=proposal is not None,
+                                   proposal=proposal or "argmax")
+        state = decode_state(self.plan, batch, self.plan.spec_kv_length, capacity, self.dtype, with_drafter=True)
+        if proposal is not None:
+            t, k, p = settings
+            state = dataclasses.replace(state, sampling=sampling_lib.SamplingParams(
+                temperature=jnp.full((batch,), t, jnp.float32), top_k=jnp.full((batch,), k, jnp.int32),
+                top_p=jnp.full((batch,), p, jnp.float32), seed=jnp.zeros((batch, 2), jnp.uint32)))
+        compiled, compile_s = measure.compile_timed(engine_lib.jit_rounds, self.tparams, self.dparams, state,
+                                                    spec=spec, num_rounds=self.rounds_per_call)
+        seconds, _ = self.time(compiled, state, (self.tparams, self.dparams))
+        return seconds / self.rounds_per_call, compile_s
+
+    def _time_pure(self, compiled, *args) -> float:
+        """Median seconds per call of a stateless compiled function."""
+        jax.block_until_ready(compiled(*args))
+        samples = []
+        for _ in range(self.plan.reps):
+            start = time.perf_counter()
+            for _ in range(self.plan.inner):
+                out = compiled(*args)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - start) / self.plan.inner)
+        return float(np.median(samples))
+
     def run(self) -> dict:
         plan, primary = self.plan, self.kernels[0]
         self.ceilings()
@@ -517,6 +573,21 @@ def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 25
     bench.rebuild(batch, gamma + 1, impl)
     bench.round(batch, gamma, impl)
     return {s: bench.results[s][0] for s in ("decode", "draft_step", "verify", "chain", "rebuild", "round")}
+
+
+def sorted_filter(logits, temperature, top_k, top_p):
+    """The textbook top-k / top-p, one descending sort per row, for timing against the engine's filter
+    (sampling.filtered_probs, which needs no sort). Ties at the boundary are not treated as the engine does."""
+    x = logits / temperature[:, None]
+    ordered = -jnp.sort(-x, axis=-1)  # descending
+    rows = jnp.arange(x.shape[0])
+    kth = jnp.where(top_k > 0, ordered[rows, jnp.maximum(top_k - 1, 0)], -jnp.inf)
+    ordered = jnp.where(ordered >= kth[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each one
+    cut = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1)
+    kept = jnp.where(x >= jnp.maximum(kth, cut)[:, None], x, -jnp.inf)
+    return jax.nn.softmax(kept, axis=-1)
 
 
 def versions() -> dict:
@@ -598,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the output agreement check (speculative vs spec-off, Pallas vs XLA), 96 tokens")
     parser.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                         help="rounds per device call, as the engine runs them (see eagle3_jax.Engine)")
+    parser.add_argument("--sampling-only", action="store_true",
+                        help="only a sampled round against a greedy round (batch 1 and 8, gamma 3) and the filters")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     args = parser.parse_args(argv)
@@ -616,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      "drafter": dataclasses.asdict(plan.drafter)})
     if args.agreement_only:
         bench.agreement(gamma=3, new_tokens=96)
+        results = bench.results
+    elif args.sampling_only:
+        for batch in (1, 8):
+            bench.sampling(batch, 3, kernels[0])
         results = bench.results
     elif args.variants_only:
         bench.ceilings()
