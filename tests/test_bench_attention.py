@@ -11,27 +11,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_attention_bench_dry_run(tmp_path):
-    env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO)}
+    """Every section, with the sweep's shapes and tunings taken from the environment."""
+    tunings = [{"block_k": 16, "num_splits": 2}, {"block_k": 32}]
+    env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO),
+           "SWEEP_SHAPES": "[[2, 40, 4]]", "SWEEP_TUNINGS": json.dumps(tunings)}
     subprocess.run([sys.executable, "-m", "benchmarks.bench_attention"], env=env, check=True,
                    capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "bench_attention.json").read_text())
     assert {r["kind"] for r in rows} == {"ceilings", "sweep", "prefill", "decode"}
+    sweep = [r for r in rows if r["kind"] == "sweep"]
+    assert [(r["B"], r["L"], r["T"], r["tuning"]) for r in sweep] == [(2, 40, 4, t) for t in tunings]
     decode = [r for r in rows if r["kind"] == "decode"]
-    shapes = {(b, l, t) for b in (1, 2) for l in (64, 200) for t in (1, 4, 8)}
+    shapes = {(b, length, t) for b in (1, 2) for length in (64, 200) for t in (1, 4, 8)}
     assert {(r["B"], r["L"], r["T"]) for r in decode} == shapes
     for r in rows:
         errors = [v for k, v in r.items() if k.endswith("_err")]
         assert all(e < 1e-5 for e in errors), r
         assert not any(k.endswith("_error") and not k.startswith("cudnn") for k in r), r  # no cuDNN on the CPU
     assert all("pallas_err" in r and r["pallas_us"] > 0 for r in decode)
-
-
-def test_sweep_takes_shapes_and_tunings_from_the_environment(tmp_path):
-    tunings = [{"block_k": 16, "num_splits": 2}, {"block_k": 32}]
-    env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO),
-           "SWEEP_SHAPES": "[[2, 40, 4]]", "SWEEP_TUNINGS": json.dumps(tunings)}
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "sweep"], env=env,
-                   check=True, capture_output=True, timeout=600)
-    rows = [r for r in json.loads((tmp_path / "bench_attention.json").read_text()) if r["kind"] == "sweep"]
-    assert [(r["B"], r["L"], r["T"], r["tuning"]) for r in rows] == [(2, 40, 4, t) for t in tunings]
-    assert all(r["pallas_err"] < 1e-5 for r in rows)

@@ -95,12 +95,10 @@ def test_convert_script_and_command(folders, tmp_path):
 def test_bench_subcommand(tmp_path):
     import json
 
+    """`bench` is found through the entry point the benchmarks package registers."""
     assert main(["bench", "--variants-only", "--kernels", "xla", "--out", str(tmp_path)]) == 0
     variants = json.loads((tmp_path / "bench.json").read_text())["variants"]
     assert {"step", "step_one_round_per_call", "forward_no_head", "matmuls_only"} <= set(variants[0])
-    assert main(["bench", "--agreement-only", "--kernels", "xla", "--out", str(tmp_path / "a")]) == 0
-    agreement = json.loads((tmp_path / "a" / "bench.json").read_text())["agreement"]
-    assert [row["tokens"] for row in agreement["xla: gamma_3 vs spec_off"]] == [96, 96]
 
 
 def test_demo_runs(capsys):
