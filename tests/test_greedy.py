@@ -87,24 +87,21 @@ def test_bad_requests_raise_before_device_work(model_and_target, prompts, kwargs
 
 def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_target):
     _, tgt = model_and_target
-    engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call
-    engine.generate([[1, 2]], 12)  # compiles prefill (bucket 16) and the call of rounds
+    # max_len 112: a configuration no other test builds, so the first request must compile.
+    with count_compilations() as first_compiles:
+        first = eagle3_jax.Engine(tgt, max_len=112).generate(PROMPTS, max_new_tokens=12)
+    assert first_compiles.count >= 2  # prefill and the call of rounds
     with jax.transfer_guard("disallow"), count_compilations() as compiles:  # any implicit transfer raises
-        first = engine.generate(PROMPTS, max_new_tokens=12)
-        first_events = engine.device_events
-        second = eagle3_jax.Engine(tgt, max_len=128).generate([[9, 8, 7], [1], [4, 4]], max_new_tokens=12)
-    # Only the new batch size (3) and the second prefill bucket (32) compile: the second Engine, of the same
-    # configuration, reuses the first's programs.
-    assert compiles.count == 3
-    with count_compilations() as compiles:
-        again = eagle3_jax.Engine(tgt, max_len=128).generate(PROMPTS, max_new_tokens=12)
+        engine = eagle3_jax.Engine(tgt, max_len=112)  # a second Engine of the same configuration
+        again = engine.generate(PROMPTS, max_new_tokens=12)
+        other = engine.generate([[9] * 20, [1], [4, 40]], max_new_tokens=12)  # the same prompt-length bucket
     assert compiles.count == 0 and again == first
     # prefill, then one transfer per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls; the third
     # call leaves at most 4 tokens per row, so no fourth call is dispatched.
-    transfers = [shape for kind, shape in first_events if kind == "transfer"]
+    transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
     assert transfers == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)]
-    assert [kind for kind, _ in first_events].count("call") == 3
-    assert [len(r.token_ids) for r in first + second] == [12] * 6
+    assert [kind for kind, _ in engine.device_events].count("call") == 3
+    assert [len(r.token_ids) for r in first + other] == [12] * 6
 
 
 def test_next_call_dispatched_early_only_when_needed(model_and_target):
