@@ -159,13 +159,11 @@ def _regenerate(args) -> int:
     import eagle3_jax
     from eagle3_jax.training.regenerate import regenerate
 
-    if args.temperature != 0 or args.top_p != 1:
-        raise ValueError("regeneration is greedy for now: --temperature 0 and --top-p 1 (the Engine decodes greedily)")
     target = eagle3_jax.load_target(args.target, dtype=args.dtype)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
     stats = regenerate(target, args.data, args.out, tokenizer=_tokenizer(Path(args.target)),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_len=args.max_len,
-                       drafter=drafter)
+                       drafter=drafter, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}; "
           f"{stats.copied} copied unchanged: nothing to rewrite or too long)")
     return 0
@@ -244,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--max-new-tokens", type=int, default=512)
     regen.add_argument("--batch-size", type=int, default=8)
     regen.add_argument("--max-len", type=int, default=4096, help="prompt + answer capacity")
-    regen.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) for now")
-    regen.add_argument("--top-p", type=float, default=1.0, help="1 for now")
+    regen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (SpecForge's example: 0.8)")
+    regen.add_argument("--top-p", type=float, default=1.0, help="nucleus filter when sampling (1: none)")
+    regen.add_argument("--seed", type=int, help="makes a sampled regeneration repeatable")
     regen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     regen.set_defaults(func=_regenerate)
     # Sub-commands from outside the library (benchmarks/) take their own arguments: `eagle3-jax bench --help`.

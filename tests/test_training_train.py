@@ -136,6 +136,9 @@ def test_resume_after_an_interruption_gives_identical_params(world, tmp_path, mo
     with pytest.raises(_Crash):
         trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "resumed", config)
     monkeypatch.setattr(step, "jit_train_step", real)
+    with pytest.raises(ValueError, match=r"other settings \(batch_size, num_batches differ\)"):
+        trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "resumed",
+                              trainer.TrainConfig(**{**config.__dict__, "resume": True, "batch_size": 4}))
     trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "resumed",
                           trainer.TrainConfig(**{**config.__dict__, "resume": True}))
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
@@ -187,7 +190,11 @@ def test_cli_regenerate_resumes_and_train_writes_a_loadable_drafter(world, tmp_p
     assert cli.main(regen) == 0
     assert "resumed after 1" in capsys.readouterr().out
     assert open(tmp_path / "out.jsonl").read().splitlines() == open(folder / "train.jsonl").read().splitlines()[:6]
-    assert cli.main(regen[:-2] + ["--temperature", "0.7"]) == 2
+    sampled = [regen[:6] + [str(tmp_path / f"sampled{i}.jsonl")] + regen[7:] + ["--temperature", "0.7", "--seed", "3"]
+               for i in range(2)]
+    assert cli.main(sampled[0]) == 0 and cli.main(sampled[1]) == 0
+    first, second = (open(tmp_path / f"sampled{i}.jsonl").read().splitlines() for i in range(2))
+    assert first == second != open(tmp_path / "out.jsonl").read().splitlines()  # seeded, and not greedy
     train = ["train", "--target", str(folder / "target"), "--data", str(tmp_path / "out.jsonl"), "--out",
              str(tmp_path / "drafter"), "--steps", "2", "--batch-size", "2", "--max-seq-len", "64",
              "--ttt-steps", "2", "--dtype", "float32", "--compute-dtype", "float32"]
@@ -195,3 +202,24 @@ def test_cli_regenerate_resumes_and_train_writes_a_loadable_drafter(world, tmp_p
     eagle3_jax.load_drafter(tmp_path / "drafter", target, dtype="float32")
     assert cli.main(train[:4] + [str(tmp_path / "missing.jsonl")] + train[5:]) == 2
     assert "missing.jsonl: no such file or folder" in capsys.readouterr().err
+
+
+def test_regenerate_rewrites_conversation_turns_with_the_chat_template(world, tmp_path):
+    """Each assistant turn becomes the target's greedy continuation of the conversation rendered so far."""
+    from test_training_data import char_tokenizer
+
+    _, target = world
+    tok = char_tokenizer(tmp_path / "tok")
+    record = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+                                {"role": "user", "content": "more"}, {"role": "assistant", "content": "old too"}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n")
+    regenerate.regenerate(target, tmp_path / "in.jsonl", tmp_path / "out.jsonl", tokenizer=tok, max_new_tokens=6,
+                          max_len=64, progress=False)
+    (out,) = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
+    engine = eagle3_jax.Engine(target, max_len=64)
+    messages = [dict(m) for m in record["conversations"]]
+    for at in (1, 3):
+        text = tok.apply_chat_template(messages[:at], add_generation_prompt=True, tokenize=False)
+        (res,) = engine.generate([tok(text, add_special_tokens=False)["input_ids"]], 6, [tok.eos_token_id])
+        messages[at] = {"role": "assistant", "content": tok.decode(res.token_ids, skip_special_tokens=True).strip()}
+    assert out["conversations"] == messages and messages[1]["content"] != "old"

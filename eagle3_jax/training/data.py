@@ -213,3 +213,12 @@ def load_samples(paths: Sequence[str | os.PathLike], tokenizer, vocab_size: int)
     if not any(s.loss_mask.any() for s in samples):
         raise DataError(f"{', '.join(map(str, paths))}: no token carries the loss (every loss_mask is 0)")
     return samples
+
+
+def prompt_length(loss_mask) -> int:
+    """Where a sample's prompt ends, for evaluation and regeneration: before its first loss-masked token when
+    it starts unmasked (a prompt, then an answer); the whole sample when every token or none carries the
+    loss (no prompt/answer split to go by). At least one token."""
+    mask = [int(m) for m in loss_mask]
+    first = mask.index(1) if mask and mask[0] == 0 and 1 in mask else len(mask)
+    return max(first, 1)

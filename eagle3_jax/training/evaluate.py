@@ -11,18 +11,12 @@ from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.models.eagle3 import DrafterConfig
-from eagle3_jax.training.data import Sample
+from eagle3_jax.training.data import Sample, prompt_length
 
 
 def prompts_of(samples: list[Sample], max_prompt: int) -> list[list[int]]:
-    """Each sample's prompt: the tokens before its first loss-masked one (the whole sample when none is
-    masked out), at most max_prompt of them, the latest kept."""
-    out = []
-    for s in samples:
-        first = int(np.argmax(s.loss_mask)) if s.loss_mask.any() and s.loss_mask[0] == 0 else len(s.tokens)
-        prompt = s.tokens[:max(first, 1)][-max_prompt:]
-        out.append(prompt.tolist())
-    return out
+    """Each sample's prompt (`data.prompt_length`), at most max_prompt tokens of it, the latest kept."""
+    return [s.tokens[:prompt_length(s.loss_mask)][-max_prompt:].tolist() for s in samples]
 
 
 def as_drafter(cfg: DrafterConfig, params: dict, d2t, dtype) -> Drafter:

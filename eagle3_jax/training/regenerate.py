@@ -1,10 +1,11 @@
 """Rewriting training data with the target's own answers (what SpecForge's regenerate_train_data.py does),
-greedy, through our Engine, a batch of records at a time.
+through our Engine, a batch of records at a time, greedy or sampled (`temperature`, `top_p`, `seed`).
 
 * conversations: every assistant turn is replaced, in order, by the target's continuation of the
   conversation so far (earlier turns already rewritten), rendered with the chat template;
-* pre-tokenized records: the tokens before the first loss-masked one are the prompt; the rest becomes the
-  target's continuation, with the loss on it;
+* pre-tokenized records: the prompt (`data.prompt_length`: the tokens before the first loss-masked one, or
+  the whole record when there is no prompt/answer split) is kept and the rest becomes the target's
+  continuation, with the loss on it;
 * text records have no turn to rewrite and are copied.
 The output is written record by record in input order, so an interrupted run resumes after the last
 complete line of OUT.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
-from eagle3_jax.training.data import DataError, jsonl_objects, parse_record
+from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +46,15 @@ def _prompts(record, raw: dict, turn: int, tokenizer) -> list[int] | None:
     if record.input_ids is not None:
         if turn > 0:
             return None
-        ids, mask = raw["input_ids"], raw.get("loss_mask") or [0] * len(raw["input_ids"])
-        first = mask.index(1) if 1 in mask else len(ids)
-        return ids[:max(first, 1)]
+        return list(record.input_ids[:prompt_length(record.loss_mask)])
     if record.messages is None:
         return None
     messages = raw["conversations_rewritten"]
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turn >= len(at):
         return None
-    return tokenizer.apply_chat_template(messages[:at[turn]], add_generation_prompt=True, tokenize=True)
+    text = tokenizer.apply_chat_template(messages[:at[turn]], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _apply(record, raw: dict, turn: int, prompt: list[int], generated: list[int], tokenizer) -> None:
@@ -67,7 +67,7 @@ def _apply(record, raw: dict, turn: int, prompt: list[int], generated: list[int]
     messages[at] = {"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True).strip()}
 
 
-def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple) -> int:
+def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple, sampling: dict) -> int:
     """Rewrites the items' turns in place, turn by turn across the batch; returns how many were too long."""
     too_long = set()
     for turn in range(max(len(r.messages) if r.messages else 1 for r, _ in items)):
@@ -77,7 +77,7 @@ def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, 
         too_long.update(id(raw) for r, raw, p in jobs if len(p) >= engine.max_len)
         if not fits:
             continue
-        results = engine.generate([p for _, _, p in fits], max_new_tokens, stops)
+        results = engine.generate([p for _, _, p in fits], max_new_tokens, stops, **sampling)
         for (r, raw, p), res in zip(fits, results):
             _apply(r, raw, turn, list(p), res.token_ids, tokenizer)
     return len(too_long)
@@ -85,9 +85,12 @@ def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, 
 
 def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
                max_new_tokens: int = 512, batch_size: int = 8, max_len: int = 4096, drafter=None,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                progress: bool = True) -> RegenerateStats:
     """Rewrites the assistant turns of the JSON-lines file data_in into out (see the module docstring).
-    Every record is checked before the first generation."""
+    Every record is checked before the first generation. temperature 0 is greedy; otherwise each batch
+    samples with `Engine.generate`'s temperature and top_p, its seed derived from `seed` and the batch's
+    first record (so a resumed run draws what an uninterrupted one would)."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be positive")
     data_in, out = Path(data_in), Path(out)
@@ -114,8 +117,10 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
         for r, raw in items:
             if r.messages is not None:
                 raw["conversations_rewritten"] = [dict(m) for m in r.messages]
+        sampling = {"temperature": temperature, "top_p": top_p,
+                    "seed": None if seed is None else (seed * 1_000_003 + start) % 2**63}
         copied += _rewrite_batch(engine, [(r, raw) for r, raw in items if r.text is None], tokenizer,
-                                 max_new_tokens, stops)
+                                 max_new_tokens, stops, sampling)
         copied += sum(r.text is not None for r, _ in items)
         with open(out, "a", encoding="utf-8") as f:
             for r, raw in items:

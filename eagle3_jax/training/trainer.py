@@ -102,12 +102,22 @@ class _Run:
     """What the loop needs besides the state: the data, the jitted step's spec and the mesh."""
 
     samples: list
+    lengths: list[int]  # tokens per sample
+    seq_len: int  # the longest row: max_seq_len, capped at the target's max_position_embeddings
     num_batches: int
     spec: step.StepSpec
     mesh: Mesh
     tparams: dict
     eval_prompts: list
     stop_ids: tuple
+    plans: dict = dataclasses.field(default_factory=dict)  # epoch -> its batches (the latest epoch only)
+
+    def plan(self, config: "TrainConfig", epoch: int) -> list[list[int]]:
+        """The batches of one epoch, built once per epoch rather than per step (it shuffles every sample)."""
+        if epoch not in self.plans:
+            self.plans = {epoch: batching.epoch_plan(self.lengths, config.batch_size, self.seq_len, config.seed,
+                                                     epoch)}
+        return self.plans[epoch]
 
 
 def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarray]:
@@ -119,16 +129,17 @@ def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarra
     draft_vocab = min(config.draft_vocab_size, tcfg.vocab_size)
     d2t, _ = vocab.draft_vocabulary(vocab.token_counts((s.tokens, s.loss_mask) for s in samples), draft_vocab,
                                     tcfg.vocab_size)
-    samples = batching.split_long(samples, min(config.max_seq_len, tcfg.max_position_embeddings))
+    seq_len = min(config.max_seq_len, tcfg.max_position_embeddings)
+    samples = batching.split_long(samples, seq_len)
     if not samples:
         raise ValueError(f"{', '.join(map(str, paths))}: no sample has two tokens or more with the loss on them")
     eval_prompts = []
     if config.eval_data:
         eval_samples = load_samples(list(config.eval_data), tokenizer, tcfg.vocab_size)[:config.eval_prompts]
-        eval_prompts = evaluate.prompts_of(eval_samples, config.max_seq_len)
+        eval_prompts = evaluate.prompts_of(eval_samples, seq_len)
     mesh = _mesh(config)
-    num_batches = len(batching.epoch_plan([len(s.tokens) for s in samples], config.batch_size,
-                                          config.max_seq_len, config.seed, 0))
+    lengths = [len(s.tokens) for s in samples]
+    num_batches = len(batching.epoch_plan(lengths, config.batch_size, seq_len, config.seed, 0))
     total = config.steps or config.epochs * num_batches
     kernels = kernels_lib.check(config.kernels or kernels_lib.default(tcfg.head_dim), tcfg.head_dim)
     spec = step.StepSpec(target=tcfg, drafter=step.drafter_config(tcfg, draft_vocab), ttt_steps=config.ttt_steps,
@@ -138,15 +149,13 @@ def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarra
     stop_ids = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
     replicated = NamedSharding(mesh, PartitionSpec())
     tparams = jax.device_put(target.params, replicated)
-    return _Run(samples, num_batches, spec, mesh, tparams, eval_prompts, stop_ids), d2t
+    return _Run(samples, lengths, seq_len, num_batches, spec, mesh, tparams, eval_prompts, stop_ids), d2t
 
 
 def _batch(run: _Run, config: TrainConfig, index: int) -> batching.Batch:
     """The batch of update `index`: a pure function of the data, the seed and the index (exact resume)."""
     epoch, i = divmod(index, run.num_batches)
-    plan = batching.epoch_plan([len(s.tokens) for s in run.samples], config.batch_size, config.max_seq_len,
-                               config.seed, epoch)
-    return batching.assemble(run.samples, plan[i], config.batch_size, config.max_seq_len)
+    return batching.assemble(run.samples, run.plan(config, epoch)[i], config.batch_size, run.seq_len)
 
 
 def _checkpoints(out_dir: Path):
@@ -160,12 +169,27 @@ def _as_tree(state: step.TrainState) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "d2t": state.d2t}
 
 
-def _initial_state(run: _Run, config: TrainConfig, d2t: np.ndarray, manager) -> step.TrainState:
+def _run_record(run: _Run, config: TrainConfig) -> dict:
+    """What an update depends on besides the data: a resumed run must match it to continue exactly."""
+    return {"step_spec": repr(run.spec), "batch_size": config.batch_size, "seq_len": run.seq_len,
+            "seed": config.seed, "num_batches": run.num_batches}
+
+
+def _initial_state(run: _Run, config: TrainConfig, d2t: np.ndarray, manager, out_dir: Path) -> step.TrainState:
     replicated = NamedSharding(run.mesh, PartitionSpec())
     state = jax.device_put(step.init_state(run.spec, step.init_params(run.spec.drafter, config.seed), d2t), replicated)
+    record_file = out_dir / "checkpoints" / "run.json"
     latest = manager.latest_step() if config.resume else None
     if latest is None:
+        if config.resume:
+            print(f"resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", flush=True)
+        record_file.write_text(json.dumps(_run_record(run, config), indent=1))
         return state
+    saved = json.loads(record_file.read_text()) if record_file.exists() else {}
+    changed = [k for k, v in _run_record(run, config).items() if saved.get(k) != v]
+    if changed:
+        raise ValueError(f"--resume: the checkpoints in {out_dir / 'checkpoints'} were trained with other settings "
+                         f"({', '.join(changed)} differ); resume with the same data and settings, or a new --out")
     import orbax.checkpoint as ocp
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _as_tree(state))
@@ -234,7 +258,7 @@ def train_drafter(target: Target, data: str | os.PathLike | Sequence[str | os.Pa
     run, d2t = _prepare(target, data, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoints(out_dir)
-    state = _initial_state(run, config, d2t, manager)
+    state = _initial_state(run, config, d2t, manager, out_dir)
     bar = None
     if config.progress:
         from tqdm.auto import tqdm
