@@ -1,4 +1,4 @@
-"""The `eagle3-jax` command: generate, convert, bench."""
+"""The `eagle3-jax` command: generate, convert, train, regenerate, bench."""
 
 from __future__ import annotations
 
@@ -54,20 +54,23 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def _sampling(args) -> dict:
-    """The sampling settings: the flags given; with none given, the target folder's generation_config.json
-    read as transformers reads it (its do_sample, temperature, top_k and top_p, transformers' defaults for
-    any it leaves out); else greedy. A run without --seed draws one, so the printed settings repeat it."""
+    """The sampling settings, as transformers' generate settles them: the target folder's
+    generation_config.json (its do_sample, temperature, top_k and top_p, transformers' defaults for any it
+    leaves out; greedy without the file or without do_sample), with each flag given laid over it. A run
+    without --seed draws one, so the printed settings repeat it."""
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {k: v for k, v in flags.items() if v is not None}
-    source = "flags" if given else "defaults"
-    if not given and (Path(args.target) / "generation_config.json").exists():
+    settings, source = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "defaults"
+    if (Path(args.target) / "generation_config.json").exists():
         from transformers import GenerationConfig
 
         config = GenerationConfig.from_pretrained(args.target)
         if config.do_sample:
-            given = {k: _HF_DEFAULTS[k] if getattr(config, k) is None else getattr(config, k) for k in flags}
+            settings = {k: _HF_DEFAULTS[k] if getattr(config, k) is None else getattr(config, k) for k in flags}
         source = "generation_config.json"
-    settings = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **given}
+    if given:
+        source = "flags" if source == "defaults" else f"flags over {source}"
+    settings = {**settings, **given}
     settings["seed"] = args.seed if args.seed is not None else secrets.randbits(32)
     return {"settings": settings, "source": source}
 

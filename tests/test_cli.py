@@ -121,8 +121,8 @@ def _copy_target(folders, tmp_path, **generation_config):
 
 
 def test_generate_samples_with_generation_config_defaults_or_flags(folders, tmp_path, capsys):
-    """No sampling flag: the folder's generation_config.json (Qwen3's settings here), as transformers reads
-    it; any flag: the flags, the rest at the library's defaults. The settings used are printed."""
+    """The folder's generation_config.json (Qwen3's settings here) as transformers reads it, each flag given
+    laid over it (a lone --top-p keeps the file's temperature and top-k). The settings used are printed."""
     folder = _copy_target(folders, tmp_path, do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
     common = ["generate", "--target", str(folder), "--prompt-ids", "3,17,5", "--max-new-tokens", "8",
               "--dtype", "float32", "--max-len", "64", "--stop-ids", "47"]
@@ -131,8 +131,11 @@ def test_generate_samples_with_generation_config_defaults_or_flags(folders, tmp_
     for flags, settings, line in [
         (["--seed", "4"], {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 4},
          "sampling: temperature=0.6, top_k=20, top_p=0.95, seed=4 (from generation_config.json)"),
-        (["--temperature", "1.5", "--top-p", "0.9", "--seed", "2"], {"temperature": 1.5, "top_p": 0.9, "seed": 2},
-         "sampling: temperature=1.5, top_k=0, top_p=0.9, seed=2 (from flags)"),
+        (["--temperature", "1.5", "--top-p", "0.9", "--seed", "2"],
+         {"temperature": 1.5, "top_k": 20, "top_p": 0.9, "seed": 2},
+         "sampling: temperature=1.5, top_k=20, top_p=0.9, seed=2 (from flags over generation_config.json)"),
+        (["--top-p", "0.5", "--seed", "2"], {"temperature": 0.6, "top_k": 20, "top_p": 0.5, "seed": 2},
+         "sampling: temperature=0.6, top_k=20, top_p=0.5, seed=2 (from flags over generation_config.json)"),
     ]:
         assert main(common + flags) == 0
         out = capsys.readouterr().out.splitlines()
