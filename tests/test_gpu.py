@@ -136,3 +136,14 @@ def test_16_bit_engine_speculates_at_batch_8(dtype):
     identical = sum(a == len(x) for a, x in zip(agreed, spec_off))
     print(f"\n{dtype}: {identical}/8 rows identical to spec-off; first differences at {agreed}")
     assert all(a >= 1 for a in agreed)  # the first token comes from the shared prefill
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_sampling_build_at_top_k_1_is_greedy(proposal):
+    """The sampling program at real shapes (the filter over 151,936 tokens, the rejection sampler, both
+    proposals): with top_k 1 the target's distribution is its argmax, so the tokens are greedy's."""
+    target, drafter = _models("bfloat16")
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=1024, proposal=proposal)
+    greedy = [r.token_ids for r in engine.generate(PROMPTS, 32)]
+    sampled = [r.token_ids for r in engine.generate(PROMPTS, 32, temperature=0.8, top_k=1, seed=list(range(8)))]
+    assert sampled == greedy
