@@ -136,3 +136,73 @@ def test_row_keys_depend_only_on_seed_and_position(shape):
     draw = jax.vmap(lambda k: jax.random.uniform(k, shape))
     np.testing.assert_array_equal(draw(keys), draw(again))
     assert len({tuple(np.asarray(x).ravel()) for x in draw(keys)}) == 3
+
+
+def keep_and_probs(filtered):
+    return np.asarray(filtered.keep()), np.asarray(filtered.probs())
+
+
+@pytest.mark.parametrize("cap", [8, 64])
+def test_candidate_path_keeps_what_the_radix_path_keeps(cap):
+    """The candidate path (rows with 1 <= top_k <= cap) against the radix path on the same rows: the same
+    kept set, token for token, and the same distribution. Logits on a grid of 0.25 tie often, at the
+    k-th logit and at the top-p cut; settings differ per row."""
+    rng = np.random.default_rng(5 + cap)
+    R, V = 96, 3000
+    logits = jnp.asarray(np.round(rng.standard_normal((R, V)) * rng.uniform(1, 4, (R, 1)) * 4) / 4, jnp.float32)
+    t = jnp.asarray(rng.choice([0.3, 0.6, 1.0, 1.7], R), jnp.float32)
+    k = jnp.asarray(rng.integers(1, cap + 1, R), jnp.int32)
+    p = jnp.asarray(rng.choice([1.0, 0.95, 0.8, 0.5, 0.1, 0.37, 0.999], R), jnp.float32)
+    radix = jax.jit(sampling.filter_rows, static_argnames="cap")
+    want = radix(logits, t, k, p, cap=0)
+    want_keep, want_probs = keep_and_probs(want)
+
+    @jax.jit
+    def candidates(x, k, p):  # the candidate path alone, past filter_rows' choice, on the same tempered logits
+        vals, ids = sampling.top_candidates(x, cap + 1)
+        cut, tie_id, total, exact = sampling._candidate_filter(vals, ids, k, p)
+        return sampling.Filtered(x, cut, tie_id, vals[:, 0], total), exact
+
+    filtered, exact = candidates(want.logits, k, p)
+    got_keep, got_probs = keep_and_probs(filtered)
+    exact = np.asarray(exact)
+    assert exact.sum() >= R // 2  # a tie at the k-th logit to the last candidate sends a row to the radix path
+    np.testing.assert_array_equal(got_keep[exact], want_keep[exact])
+    # The probabilities agree to float rounding (XLA's exp differs by a few ulp between fusions).
+    np.testing.assert_allclose(got_probs[exact], want_probs[exact], rtol=1e-5, atol=1e-9)
+    x = np.asarray(want.logits)
+    split = sum(bool(np.isin(row[kept], row[~kept] if (row[~kept] > -np.inf).any() else []).any())
+                for row, kept in zip(x[exact], want_keep[exact]))
+    assert split >= 10  # the cuts do fall inside groups of equal logits
+
+    # Through filter_rows: exact rows take the candidate path; a row past the cap, a row whose tie runs past
+    # the candidates, and a greedy row beside them change the choice, never the result.
+    rows = np.flatnonzero(exact)[:8]
+    cases = {"candidate path": (k, t)}
+    cases["top_k 0 in the batch"] = (k.at[rows[0]].set(0), t)
+    cases["greedy row in the batch"] = (k, t.at[rows[1]].set(0.0))
+    for name, (k_case, t_case) in cases.items():
+        got = keep_and_probs(radix(logits[rows], t_case[rows], k_case[rows], p[rows], cap=cap))
+        want = keep_and_probs(radix(logits[rows], t_case[rows], k_case[rows], p[rows], cap=0))
+        live = np.asarray(t_case[rows] > 0)
+        np.testing.assert_array_equal(got[0][live], want[0][live], err_msg=name)
+        np.testing.assert_allclose(got[1][live], want[1][live], rtol=1e-5, atol=1e-9, err_msg=name)
+    tie_past = logits[rows].at[0, :cap + 2].set(logits[rows[0]].max())  # cap + 2 tokens tie at the top
+    got = keep_and_probs(radix(tie_past, t[rows], k[rows], p[rows], cap=cap))
+    want = keep_and_probs(radix(tie_past, t[rows], k[rows], p[rows], cap=0))
+    np.testing.assert_array_equal(got[0], want[0])
+    assert not candidates(radix(tie_past, t[rows], k[rows], p[rows], cap=0).logits, k[rows], p[rows])[1][0]
+
+
+def test_small_vocabulary_takes_the_candidate_path_for_every_setting():
+    """A vocabulary of at most cap + 1 tokens: the candidates are the whole row, for top_k 0 too."""
+    rng = np.random.default_rng(6)
+    R, V = 64, 40
+    logits = jnp.asarray(rng.integers(-4, 4, (R, V)) / 2, jnp.float32)
+    t = jnp.asarray(rng.choice([0.5, 1.0, 1.5], R), jnp.float32)
+    k = jnp.asarray(rng.choice([0, 1, 3, 10, 39, 40, 41], R), jnp.int32)
+    p = jnp.asarray(rng.uniform(0.05, 1.0, R).round(2), jnp.float32)
+    fn = jax.jit(sampling.filter_rows, static_argnames="cap")
+    got, want = keep_and_probs(fn(logits, t, k, p)), keep_and_probs(fn(logits, t, k, p, cap=0))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-9)

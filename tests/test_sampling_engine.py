@@ -129,13 +129,12 @@ def test_first_three_tokens_follow_the_exact_distribution(tiny, exact, gamma, pr
 
 @pytest.fixture
 def wrong(monkeypatch):
-    """Swaps a function of sampling.py for a wrong one; the jitted steps are retraced around the swap."""
+    """Swaps a function of sampling.py for a wrong one; the jitted rounds are retraced around the swap
+    (prefill calls neither accept nor residual, so its compilations stay)."""
     def swap(name, fn):
         monkeypatch.setattr(sampling, name, fn)
-        engine_lib.jit_prefill.clear_cache()
         engine_lib.jit_rounds.clear_cache()
     yield swap
-    engine_lib.jit_prefill.clear_cache()
     engine_lib.jit_rounds.clear_cache()
 
 
@@ -153,6 +152,9 @@ def test_the_gate_rejects_wrong_samplers(tiny, exact, wrong, mistake, proposal):
 # ----------------------------------------------------------------------------- rows, seeds, edges, settings
 
 PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+# Six rows, gamma 3, max_len 64, 4 rounds per call: the tests below share these programs (one compilation
+# per build), so most of them use this batch.
+SIX = PROMPTS + [[9, 8], [1, 2, 3, 4, 5], [44, 45, 46, 47]]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +173,7 @@ def world(tmp_path_factory):
 def test_greedy_rows_in_a_mixed_batch_equal_greedy_decoding(world, proposal):
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
-    prompts = PROMPTS + PROMPTS
+    prompts = SIX
     greedy = engine.generate(prompts, 20)
     mixed = engine.generate(prompts, 20, temperature=[0.0, 1.0, 0.0, 0.8, 0.0, 1.3], top_k=[0, 5, 3, 0, 0, 10],
                             top_p=[1.0, 0.9, 0.5, 1.0, 1.0, 0.95], seed=[1, 2, 3, 4, 5, 6])
@@ -191,14 +193,16 @@ def test_seeds_fix_the_output_and_rows_are_independent(world, gamma, proposal):
                                    proposal=proposal, rounds_per_call=rounds_per_call)  # as the tests below
         return [r.token_ids for r in engine.generate(prompts, 24, temperature=1.0, seed=seeds, **kwargs)]
 
-    first = run(PROMPTS, [11, 12, 13])
-    assert run(PROMPTS, [11, 12, 13], rounds_per_call=1) == first
-    assert run([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [13, 11, 12]) == [first[2], first[0], first[1]]
-    assert run([PROMPTS[1]] * 3, 12)[1] == first[1]  # beside other rows, with a scalar seed: the same row
-    assert run(PROMPTS, [11, 12, 13], top_k=[0, 0, 0], top_p=1.0) == first
-    other = run(PROMPTS, [21, 22, 23])
+    seeds = list(range(11, 17))
+    first = run(SIX, seeds)
+    assert run(SIX, seeds, rounds_per_call=1) == first
+    order = [2, 0, 1, 5, 3, 4]
+    assert run([SIX[i] for i in order], [seeds[i] for i in order]) == [first[i] for i in order]
+    assert run([SIX[1]] * 6, 12)[3] == first[1]  # beside other rows, with a scalar seed: the same row
+    assert run(SIX, seeds, top_k=[0] * 6, top_p=1.0) == first
+    other = run(SIX, [s + 10 for s in seeds])
     assert all(a != b for a, b in zip(first, other))
-    assert run(PROMPTS, None) != run(PROMPTS, None)
+    assert run(SIX, None) != run(SIX, None)
 
 
 def test_stops_and_max_new_inside_accepted_spans_while_sampling(world):
@@ -247,18 +251,18 @@ BAD = [
     ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
     ({"temperature": float("nan")}, "temperature must be a finite number"),
     ({"temperature": "hot"}, "temperature must be a finite number"),
-    ({"temperature": [1.0, 1.0]}, "temperature has 2 values for 3 prompts"),
+    ({"temperature": [1.0, 1.0]}, "temperature has 2 values for 6 prompts"),
     ({"top_k": -1}, r"top_k must be an int >= 0 \(0: no top-k filter\), got -1"),
     ({"top_k": 2.5}, "top_k must be an int"),
     ({"top_k": True}, "top_k must be an int"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": [0.9] * 4}, "top_p has 4 values for 3 prompts"),
+    ({"top_p": [0.9] * 4}, "top_p has 4 values for 6 prompts"),
     ({"seed": 1.5}, r"seed must be None or an int in \[0, 2\*\*64\), got 1.5"),
     ({"seed": -1}, "seed must be None or an int"),
     ({"seed": 2**64}, "seed must be None or an int"),
     ({"seed": "7"}, "seed must be None or an int"),
-    ({"seed": [1, 2]}, "seed has 2 values for 3 prompts"),
+    ({"seed": [1, 2]}, "seed has 2 values for 6 prompts"),
 ]
 
 
@@ -266,11 +270,11 @@ BAD = [
 def test_bad_settings_raise_before_device_work(world, settings, message):
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    engine.generate(PROMPTS, 2, temperature=1.0)
+    engine.generate(SIX, 2, temperature=1.0)
     with count_compilations() as compiles:
         for call in (engine.generate, engine.stream):
             with pytest.raises(ValueError, match=message):
-                call(PROMPTS, 4, **{"temperature": 1.0, **settings})
+                call(SIX, 4, **{"temperature": 1.0, **settings})
     assert engine.device_events == [] and compiles.count == 0
 
 
@@ -284,17 +288,18 @@ def test_bad_proposal_is_refused(world):
 def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal):
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
-    engine.generate(PROMPTS, 16, temperature=0.7, seed=0)  # compiles the sampling build
+    engine.generate(SIX, 16, temperature=0.7, seed=0)  # compiles the sampling build
     requests = [
         {"temperature": 1.3, "top_k": 5, "top_p": 0.9, "seed": 3},
-        {"temperature": [0.0, 0.6, 2.0], "top_k": [0, 20, 1], "top_p": [1.0, 0.95, 0.3], "seed": [1, None, 2**64 - 1]},
+        {"temperature": [0.0, 0.6, 2.0] * 2, "top_k": [0, 20, 1] * 2, "top_p": [1.0, 0.95, 0.3] * 2,
+         "seed": [1, None, 2**64 - 1] * 2},
         {"temperature": 0.6, "top_k": 10**12, "top_p": 1.0},
     ]
     with jax.transfer_guard("disallow"), count_compilations() as compiles:
         for settings in requests:
-            results = engine.generate(PROMPTS, 16, **settings)
+            results = engine.generate(SIX, 16, **settings)
             transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
             calls = -(-max(len(r.accept_lengths) for r in results) // 4)
-            assert transfers == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+            assert transfers == [(6, 2 * 3 + 4)] + [(4, 6, 2 * 3 + 4)] * calls
             assert [kind for kind, _ in engine.device_events].count("call") == calls
     assert compiles.count == 0

@@ -125,6 +125,8 @@ class Engine:
         # Without a drafter there is nothing to propose: one sampling build for either choice.
         self._sampling_spec = dataclasses.replace(self._spec, sampling=True,
                                                   proposal=proposal if drafter is not None else DEFAULT_PROPOSAL)
+        # Prefill draws no drafts: one compilation of it serves both proposals.
+        self._sampling_prefill_spec = dataclasses.replace(self._sampling_spec, proposal=PROPOSALS[0])
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
 
     def _build(self, inputs) -> spec_round.StepSpec:
@@ -133,7 +135,8 @@ class Engine:
 
     def _call_prefill(self, *inputs):
         self.device_events.append(("prefill", ()))
-        return jit_prefill(self.target.params, self._draft_params, *inputs, spec=self._build(inputs))
+        spec = self._sampling_prefill_spec if self._build(inputs).sampling else self._spec
+        return jit_prefill(self.target.params, self._draft_params, *inputs, spec=spec)
 
     def _call_rounds(self, state, spec: spec_round.StepSpec):
         """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""

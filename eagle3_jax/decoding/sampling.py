@@ -5,25 +5,34 @@ Filters follow transformers' `generate` order (`TemperatureLogitsWarper`, then `
 `TopPLogitsWarper` over the tempered, top-k-filtered logits, then a softmax). Every parameter is a device
 array with one value per row, so a batch mixes settings and new values never recompile.
 
-Top-k and top-p without a sort. Both filters keep the tokens whose logit is at or above a threshold, so
-instead of sorting a row (151,936 logits for Qwen3), each threshold is found by a radix search over the
-logits' bit patterns: a float32 maps to a uint32 key with the same order, and the key is settled 4 bits at
-a time, from the top, by one pass over the row that weighs 16 candidate thresholds at once (top-k counts
-the tokens at or above each candidate, top-p sums their probability). 8 passes fix a 32-bit key exactly:
-the result is the threshold a sort would give, not an approximation. Each pass is one fused reduction
-over the row.
+What is kept. After both filters a row keeps the tokens whose tempered logit is above a cut, and of the
+tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row). Two exact
+ways find the cut, and they give the same kept set:
+
+* The candidate path, for batches whose sampled rows all have 1 <= top_k <= TOP_K_CAP (Qwen3 ships
+  top_k 20). Only the TOP_K_CAP + 1 largest logits of a row can be kept, so the cut comes from them
+  alone: their softmax, a cumulative sum over at most 65 values, the tie rule on them. Finding them
+  reads the row once (the maximum of each block of 64 logits), then sorts short lists: the blocks with
+  the largest maxima, and the logits of those blocks (`top_candidates`). The one extra candidate shows
+  whether a tie at the k-th logit runs past the candidates; then the radix path decides instead.
+* The radix path, for every other batch (a row with top_k 0 or above the cap). Each threshold is found by
+  a radix search over the logits' bit patterns: a float32 maps to a uint32 key with the same order, and
+  the key is settled 4 bits at a time, from the top, by one pass over the row that weighs 16 candidate
+  thresholds at once (top-k counts the tokens at or above each candidate, top-p sums their probability).
+  8 passes fix a 32-bit key exactly: the threshold a sort would give, not an approximation. It costs 16
+  reductions over the row (about 60 us each at 32 rows of 151,936 on the H200, as XLA runs them).
+
+The choice is made on the device (`lax.cond` over "every row is eligible"): no host sync, and changing
+settings never recompiles. A vocabulary of at most TOP_K_CAP + 1 tokens always takes the candidate path
+(the candidates are the whole row), so no radix search is compiled for it.
 
 Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
 cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
 their place in `torch.sort`'s output, which is not stable. Here the tied tokens are ordered by id, as a
 stable sort would (higher ids last, so kept first). The kept probability mass is transformers' exactly;
 which of the equal-logit tokens carry it is defined by their ids rather than by torch's sorting internals.
-
-Cost on the H200 (benchmarks/bench.py --sampling-only; Qwen3-8B shapes, temperature 0.6, top-k 20,
-top-p 0.95): the filter over the verify's logits takes 0.26 ms at batch 1 (4 rows x 151,936) and 1.03 ms at
-batch 8 (32 rows), against 0.33 and 1.19 ms for one sort of each row. XLA runs each pass as its own
-reduction, far slower than reading the row: a kernel that keeps a row on chip through all its passes (as
-FlashInfer's sampling kernels do) is what would make the filter cheap.
+Both paths apply this rule to the same numbers up to float rounding of the sums, so the kept sets can
+only differ where a cumulative probability lies within rounding (about 1e-7) of top_p.
 """
 
 from __future__ import annotations
@@ -33,8 +42,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-_DIGIT_BITS = 4  # bits of the threshold settled per pass: 16 candidates weighed in one pass
+_DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
+TOP_K_CAP = 64  # a batch whose sampled rows all have 1 <= top_k <= this takes the candidate path
+_BLOCK = 64  # logits per block when finding a row's candidates
+_NO_TIE = 2**31 - 1  # tie id of a row that keeps none of the tokens at its cut
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +64,31 @@ class SamplingParams:
         return self.temperature <= 0
 
 
-# ----------------------------------------------------------------------------- filters
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Filtered:
+    """Rows of tempered logits and what the filters keep: token i of row r is kept when
+    logits[r, i] > cut[r], or logits[r, i] == cut[r] and i >= tie_id[r]. top is the row's largest logit
+    and total the sum of exp(logit - top) over the kept tokens, so the filtered distribution needs one
+    elementwise pass over the row (`probs`)."""
+
+    logits: jax.Array  # [R, V] float32, tempered
+    cut: jax.Array  # [R] float32
+    tie_id: jax.Array  # [R] int32
+    top: jax.Array  # [R] float32
+    total: jax.Array  # [R] float32
+
+    def keep(self) -> jax.Array:
+        ids = jnp.arange(self.logits.shape[-1], dtype=jnp.int32)
+        at_cut = (self.logits == self.cut[:, None]) & (ids >= self.tie_id[:, None])
+        return (self.logits > self.cut[:, None]) | at_cut
+
+    def probs(self) -> jax.Array:
+        weights = jnp.where(self.keep(), jnp.exp(self.logits - self.top[:, None]), 0.0)
+        return weights / self.total[:, None]
+
+
+# ----------------------------------------------------------------------------- filters: the radix path
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -111,18 +147,120 @@ def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arr
     return keep | (top_p[:, None] >= 1)
 
 
-def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]:
-    temperature, then top-k, then top-p over the tempered distribution (transformers' order). A greedy
-    row (temperature 0) is filtered at temperature 1; its result is not used."""
+def _radix_filter(x, top_k, top_p):
+    """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches."""
+    keep_k = top_k_mask(x, top_k)
+    x_k = jnp.where(keep_k, x, -jnp.inf)
+    keep = keep_k & top_p_mask(x_k, jax.nn.softmax(x_k, axis=-1), top_p)
+    # The kept set is every token above its lowest kept logit and the highest ids at it.
+    cut = jnp.min(jnp.where(keep, x, jnp.inf), axis=-1)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    tie_id = jnp.min(jnp.where(keep & (x == cut[:, None]), ids, _NO_TIE), axis=-1)
+    top = jnp.max(x, axis=-1)
+    return cut, tie_id, top, jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0), axis=-1)
+
+
+# ----------------------------------------------------------------------------- filters: the candidate path
+
+
+def top_candidates(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The `count` largest logits of each row of x [R, V], descending, with their token ids, without
+    sorting the row: the row is read once for the maximum of each block of (up to) 64 logits, the `count`
+    blocks with the largest maxima are gathered, and `lax.top_k` runs on those count x 64 logits only.
+
+    Exact: fewer than `count` blocks have a maximum above L, the count-th largest block maximum, so every
+    logit above L lies in a gathered block, and the count blocks' maxima are count logits >= L. The values
+    are the row's `count` largest; the ids are right for every value above L, which includes every value
+    above the last one (at the last value a tie may be represented by other tokens of that logit).
+    Padding to whole blocks is -inf, so a padded id (>= V) can appear only at -inf."""
+    R, V = x.shape
+    block = _BLOCK
+    while block > 1 and -(-V // block) < count:
+        block //= 2
+    n = -(-V // block)
+    blocks = jnp.pad(x, ((0, 0), (0, n * block - V)), constant_values=-jnp.inf).reshape(R, n, block)
+    _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), count)  # [R, count] block ids
+    pool = jnp.take_along_axis(blocks, best[:, :, None], axis=1).reshape(R, count * block)
+    vals, at = jax.lax.top_k(pool, count)
+    return vals, jnp.take_along_axis(best, at // block, axis=1) * block + at % block
+
+
+def _candidate_filter(vals, ids, k, top_p):
+    """(cut, tie_id, total, exact) from each row's C largest logits vals [R, C] (descending) with their ids,
+    k [R] in [1, C] (the top-k count; top_k 0 or >= V is the vocabulary size). The rules are the radix
+    path's, applied to the candidates: top-k keeps the logits >= the k-th; top-p cuts at the first logit
+    where the cumulative probability reaches top_p, and of the tokens at the cut keeps as many as the
+    radix path's tie rule does, the highest ids. exact: every token top-k keeps is a candidate (the last
+    candidate is below the k-th logit), so the candidates decide everything; when a row is not exact the
+    caller takes the radix path instead."""
+    C = vals.shape[1]
+    top = vals[:, 0]
+    kth = jnp.take_along_axis(vals, (k - 1)[:, None], axis=1)[:, 0]
+    weights = jnp.where(vals >= kth[:, None], jnp.exp(vals - top[:, None]), 0.0)
+    probs = weights / jnp.sum(weights, axis=1, keepdims=True)
+    reached = jnp.cumsum(probs, axis=1) >= top_p[:, None]
+    first = jnp.where(jnp.any(reached, axis=1), jnp.argmax(reached, axis=1), C)
+    # Past the k-th candidate only logits equal to it carry probability; none reached: the cut is the k-th.
+    cut = jnp.take_along_axis(vals, jnp.minimum(first, k - 1)[:, None], axis=1)[:, 0]
+    cut = jnp.where(top_p >= 1, kth, cut)
+    tied = vals == cut[:, None]
+    above_mass = jnp.sum(jnp.where(vals > cut[:, None], probs, 0.0), axis=1)
+    tied_p = jnp.max(jnp.where(tied, probs, 0.0), axis=1)
+    i = jnp.arange(C, dtype=jnp.int32)[None, :]  # the tied tokens of higher id, as in the radix rule
+    n_keep = jnp.sum((i < jnp.sum(tied, axis=1, keepdims=True))
+                     & (above_mass[:, None] + i * tied_p[:, None] < top_p[:, None]), axis=1)
+    higher = jnp.sum(tied[:, None, :] & (ids[:, None, :] > ids[:, :, None]), axis=2)  # [R, C]
+    tie_id = jnp.min(jnp.where(tied & (higher < n_keep[:, None]), ids, _NO_TIE), axis=1)
+    tie_id = jnp.where(top_p >= 1, 0, tie_id)
+    kept = (vals > cut[:, None]) | (tied & (ids >= tie_id[:, None]))
+    total = jnp.sum(jnp.where(kept, jnp.exp(vals - top[:, None]), 0.0), axis=1)
+    return cut, tie_id, total, vals[:, -1] < kth
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                cap: int = TOP_K_CAP) -> Filtered:
+    """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
+    the tempered distribution (transformers' order). A greedy row (temperature 0) is filtered at
+    temperature 1 with top_k 1; its result is not used. cap: the largest top_k the candidate path takes
+    (static); 0 always takes the radix path. See the module docstring for the two paths."""
+    R, V = logits.shape
+    greedy = temperature <= 0
+    # One buffer of tempered logits for every use: XLA may otherwise recompute the division in each fusion
+    # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
+    # taken from one copy could miss its own token in another.
+    x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
+    kept_by_k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)  # how many top-k keeps, ties aside
+    count = cap + 1  # one more than the cap: shows whether a tie at the k-th logit runs past the candidates
+
+    def radix():
+        return _radix_filter(x, top_k, top_p)
+
+    if cap <= 0:
+        return Filtered(x, *radix())
+    if V <= count:  # the candidates are the whole row: always exact
+        vals, ids = jax.lax.top_k(x, V)
+        cut, tie_id, total, _ = _candidate_filter(vals, ids, kept_by_k, top_p)
+        return Filtered(x, cut, tie_id, vals[:, 0], total)
+
+    def candidates():
+        vals, ids = top_candidates(x, count)
+        cut, tie_id, total, exact = _candidate_filter(vals, ids, jnp.where(greedy, 1, kept_by_k), top_p)
+        return jax.lax.cond(jnp.all(exact | greedy), lambda: (cut, tie_id, vals[:, 0], total), radix)
+
+    eligible = greedy | (kept_by_k <= cap)
+    return Filtered(x, *jax.lax.cond(jnp.all(eligible), candidates, radix))
+
+
+def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   cap: int = TOP_K_CAP) -> jax.Array:
+    """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]
+    (`filter_rows`)."""
     shape = logits.shape
-    rows = logits.reshape(-1, shape[-1]).astype(jnp.float32)
     t, k, p = (jnp.broadcast_to(x, shape[:-1]).reshape(-1) for x in (temperature, top_k, top_p))
-    tempered = rows / jnp.where(t > 0, t, 1.0)[:, None]
-    tempered = jnp.where(top_k_mask(tempered, k), tempered, -jnp.inf)
-    probs = jax.nn.softmax(tempered, axis=-1)
-    probs = jnp.where(top_p_mask(tempered, probs, p), probs, 0.0)
-    return (probs / jnp.sum(probs, axis=-1, keepdims=True)).reshape(shape)
+    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p, cap).probs().reshape(shape)
 
 
 def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -170,27 +308,44 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.maximum(p - q, 0.0)
 
 
-def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array, room: jax.Array):
+def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
+           q_ids: jax.Array | None = None):
     """Speculative sampling for one round of B rows (Leviathan et al., Chen et al.).
 
     p [B, G + 1, V]: the target's filtered distribution after each of [x_n, d_1 .. d_G]; drafts [B, G]
-    (target ids) drawn from q [B, G, V] (one-hot for argmax drafts); room [B]: the most drafts the cache
-    can take. Draft i is accepted with probability min(1, p_i / q_i) until the first rejection, which
+    (target ids) drawn from q; room [B]: the most drafts the cache can take. q is None for argmax drafts
+    (q one-hot at the draft: nothing is built for it), else [B, G, Vq] over the token ids q_ids [Vq]
+    (distinct; None: the whole vocabulary), so a drafter's q on its draft vocabulary is never spread over
+    the target's. Draft i is accepted with probability min(1, p_i / q_i) until the first rejection, which
     samples from normalise(max(p - q, 0)) there; when every considered draft is accepted (all G, or the
     room's worth) the next token comes from p. Lossless for any q: each emitted token is distributed as p.
     Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled token, then padding).
     """
     B, G = drafts.shape
+    V = p.shape[-1]
     rows = jnp.arange(B)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
     p_x = jnp.take_along_axis(p[:, :G], drafts[:, :, None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
+    if q is None:
+        q_x = jnp.ones_like(p_x)
+    elif q_ids is None:
+        q_x = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
+    else:
+        q_x = jnp.sum(jnp.where(q_ids == drafts[:, :, None], q, 0.0), axis=-1)
     leading = jnp.sum(jnp.cumprod(accept(u, p_x, q_x).astype(jnp.int32), axis=1), axis=1)
     considered = jnp.clip(room, 0, G)  # drafts beyond the room are never judged: a stop there draws from p
     accepted = jnp.minimum(leading, considered)
     rejected = leading < considered
     p_a = p[rows, accepted]
-    q_a = q[rows, jnp.minimum(accepted, G - 1)] if G else jnp.zeros_like(p_a)  # read only where rejected
+    judged = jnp.minimum(accepted, G - 1)  # q is read only where a draft was rejected
+    if G == 0:
+        q_a = jnp.zeros_like(p_a)
+    elif q is None:
+        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p.dtype)
+    elif q_ids is None:
+        q_a = q[rows, judged]
+    else:
+        q_a = on_vocabulary(q[rows, judged], q_ids, V)
     left = residual(p_a, q_a)
     # p == q up to rounding makes a rejection (nearly) impossible and the residual empty: sample p then.
     left = jnp.where(jnp.sum(left, axis=-1, keepdims=True) > 0, left, p_a)

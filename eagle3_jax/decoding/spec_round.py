@@ -163,14 +163,13 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     accepted = _accept(drafts, choices, room)
     if not spec.sampling:
         return choices, accepted
-    s, V = state.sampling, logits.shape[-1]
+    s = state.sampling
     p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None])
-    if draft_q is None:  # argmax drafts: q is one-hot at the draft
-        q = jax.nn.one_hot(drafts, V, dtype=p.dtype)
-    else:  # q lives on the draft vocabulary: 0 for every other target token
-        draft_ids = drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size))
-        q = sampling_lib.on_vocabulary(draft_q, draft_ids, V)
-    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, q, room)
+    # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
+    # 0 for every other target token.
+    draft_ids = (None if draft_q is None
+                 else drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size)))
+    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids)
     drawn = jnp.where(jnp.arange(spec.gamma + 1)[None, :] > drawn_accepted[:, None], choices, drawn)
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 
