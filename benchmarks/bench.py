@@ -457,12 +457,10 @@ class Bench:
             torch.cuda.empty_cache()
 
     def sampling(self, batch: int, gamma: int, kernels: str) -> None:
-        """A sampled round against a greedy round, as the engine runs them (issue 15's goal: at most 3% more):
-        each proposal mode at Qwen3's generation_config settings (temperature 0.6, top-k 20, top-p 0.95: the
-        candidate path) and with top-p alone (temperature 1, top-p 0.95: top_k 0 takes the radix path).
-        Then the parts alone over the verify's logits [batch (gamma + 1), V] at Qwen3's settings: the filter
-        (candidate path, and forced onto the radix path), finding the candidates, `lax.top_k` of the whole
-        row at k = TOP_K_CAP + 1, and one sort per row."""
+        """A sampled round against a greedy round, as the engine runs them (the aim: at most 3% more), for
+        each proposal mode at Qwen3's generation_config settings (temperature 0.6, top-k 20, top-p 0.95) and
+        with top-p alone (temperature 1, top-p 0.95). Then the filter alone over the verify's logits
+        [batch (gamma + 1), V] at Qwen3's settings, against one sort per row."""
         L = self.plan.spec_kv_length
         capacity = min(L + 512, self.plan.target.max_position_embeddings)
         greedy, compile_s = self._sampling_round(batch, gamma, kernels, capacity, None, None)
@@ -477,12 +475,7 @@ class Bench:
         rows, V = batch * (gamma + 1), self.plan.target.vocab_size
         logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
         settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
-        count = sampling_lib.TOP_K_CAP + 1
-        parts = (("filter_candidates_ms", sampling_lib.filtered_probs),
-                 ("filter_radix_ms", lambda x, t, k, p: sampling_lib.filtered_probs(x, t, k, p, cap=0)),
-                 ("top_candidates_ms", lambda x, t, k, p: sampling_lib.top_candidates(x / t[:, None], count)),
-                 ("lax_top_k_ms", lambda x, t, k, p: jax.lax.top_k(x / t[:, None], count)),
-                 ("filter_sort_ms", sorted_filter))
+        parts = (("filter_ms", sampling_lib.filtered_probs), ("filter_sort_ms", sorted_filter))
         for name, fn in parts:
             compiled = jax.jit(fn).lower(logits, *settings).compile()
             entry[name] = self._time_pure(compiled, logits, *settings) * 1e3
@@ -646,8 +639,7 @@ def summary(results: dict) -> str:
         lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
                      f"(qwen3_defaults, then top_p_only) {rounds}")
         lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
-            f"{k[:-3]} {e[k]:.3f} ms" for k in ("filter_candidates_ms", "filter_radix_ms", "top_candidates_ms",
-                                                "lax_top_k_ms", "filter_sort_ms") if k in e))
+            f"{k[:-3]} {e[k]:.3f} ms" for k in ("filter_ms", "filter_sort_ms") if k in e))
     if results["skipped"]:
         lines.append(f"skipped for time: {', '.join(results['skipped'])}")
     return "\n".join(lines)

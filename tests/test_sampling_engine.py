@@ -248,9 +248,10 @@ def test_cache_edge_while_sampling(world, proposal):
 
 
 BAD = [
-    ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
-    ({"temperature": float("nan")}, "temperature must be a finite number"),
-    ({"temperature": "hot"}, "temperature must be a finite number"),
+    ({"temperature": -0.5}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -0.5"),
+    ({"temperature": 1e-38}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got 1e-38"),
+    ({"temperature": float("nan")}, "temperature must be 0"),
+    ({"temperature": "hot"}, "temperature must be 0"),
     ({"temperature": [1.0, 1.0]}, "temperature has 2 values for 6 prompts"),
     ({"top_k": -1}, r"top_k must be an int >= 0 \(0: no top-k filter\), got -1"),
     ({"top_k": 2.5}, "top_k must be an int"),

@@ -10,7 +10,7 @@ every Engine of the same configuration, and every request of the same shapes, re
 
 Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one value per row, so new
 values never recompile. An Engine has two builds of its steps: the greedy one, which a request whose rows
-are all greedy runs (today's program, no sampling work), and the sampling one, which runs any request with
+are all greedy runs (no sampling work at all), and the sampling one, which runs any request with
 a sampled row and handles greedy rows beside them. Each compiles once, when first needed.
 """
 
@@ -34,9 +34,12 @@ _MIN_PREFILL_BUCKET = 16
 _STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
 PROPOSALS = ("argmax", "sample")
-# No trained drafter has been measured yet (the issue sets the default by tau at temperature 0.6 and 1.0):
-# "argmax" until then, the choice of vLLM, SGLang and tpu-inference; both are lossless.
+# Both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM, SGLang and
+# tpu-inference do, and needs no filter over the draft vocabulary per draft step.
 DEFAULT_PROPOSAL = "argmax"
+# Below this, logits / temperature can overflow float32 (to inf at about 1e-37 times a logit of 10):
+# such a temperature is refused rather than sampled wrongly; 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,16 +154,8 @@ class Engine:
     @property
     def spec(self) -> spec_round.StepSpec:
         """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
-        every row is greedy; `sampling_spec` is the build for requests with sampled rows."""
+        every row is greedy (requests with a sampled row run it with `sampling=True`)."""
         return self._spec
-
-    @property
-    def sampling_spec(self) -> spec_round.StepSpec:
-        return self._sampling_spec
-
-    @property
-    def proposal(self) -> str:
-        return self._sampling_spec.proposal
 
     @property
     def rounds_per_call(self) -> int:
@@ -304,8 +299,8 @@ def _sampling_settings(B: int, temperature, top_k, top_p, seed) -> SamplingParam
     temps, ks, ps, seeds = (_per_row(n, v, B) for n, v in
                             (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)))
     for t in temps:
-        if not _is_real(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not _is_real(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
     for k in ks:
         if not _is_int(k) or k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {k!r}")

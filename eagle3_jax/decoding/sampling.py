@@ -6,33 +6,19 @@ Filters follow transformers' `generate` order (`TemperatureLogitsWarper`, then `
 array with one value per row, so a batch mixes settings and new values never recompile.
 
 What is kept. After both filters a row keeps the tokens whose tempered logit is above a cut, and of the
-tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row). Two exact
-ways find the cut, and they give the same kept set:
-
-* The candidate path, for batches whose sampled rows all have 1 <= top_k <= TOP_K_CAP (Qwen3 ships
-  top_k 20). Only the TOP_K_CAP + 1 largest logits of a row can be kept, so the cut comes from them
-  alone: their softmax, a cumulative sum over at most 65 values, the tie rule on them. Finding them
-  reads the row once (the maximum of each block of 64 logits), then sorts short lists: the blocks with
-  the largest maxima, and the logits of those blocks (`top_candidates`). The one extra candidate shows
-  whether a tie at the k-th logit runs past the candidates; then the radix path decides instead.
-* The radix path, for every other batch (a row with top_k 0 or above the cap). Each threshold is found by
-  a radix search over the logits' bit patterns: a float32 maps to a uint32 key with the same order, and
-  the key is settled 4 bits at a time, from the top, by one pass over the row that weighs 16 candidate
-  thresholds at once (top-k counts the tokens at or above each candidate, top-p sums their probability).
-  8 passes fix a 32-bit key exactly: the threshold a sort would give, not an approximation. It costs 16
-  reductions over the row (about 60 us each at 32 rows of 151,936 on the H200, as XLA runs them).
-
-The choice is made on the device (`lax.cond` over "every row is eligible"): no host sync, and changing
-settings never recompiles. A vocabulary of at most TOP_K_CAP + 1 tokens always takes the candidate path
-(the candidates are the whole row), so no radix search is compiled for it.
+tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row). The cuts
+come from a radix search over the logits' bit patterns, not a sort: a float32 maps to a uint32 key with
+the same order, and the key is settled 4 bits at a time, from the top, by one pass over the row that
+weighs 16 candidate thresholds at once (top-k counts the tokens at or above each candidate, top-p sums
+their probability). 8 passes fix a 32-bit key exactly: the threshold a sort would give, not an
+approximation. On the H200 the filter takes 0.26 ms over [4, 151936] rows and 1.03 ms over [32, 151936]
+(a sort per row: 0.33 and 1.19 ms), as XLA runs each pass as its own reduction (BENCHMARKS.md).
 
 Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
 cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
 their place in `torch.sort`'s output, which is not stable. Here the tied tokens are ordered by id, as a
 stable sort would (higher ids last, so kept first). The kept probability mass is transformers' exactly;
 which of the equal-logit tokens carry it is defined by their ids rather than by torch's sorting internals.
-Both paths apply this rule to the same numbers up to float rounding of the sums, so the kept sets can
-only differ where a cumulative probability lies within rounding (about 1e-7) of top_p.
 """
 
 from __future__ import annotations
@@ -44,8 +30,6 @@ import jax.numpy as jnp
 
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
-TOP_K_CAP = 64  # a batch whose sampled rows all have 1 <= top_k <= this takes the candidate path
-_BLOCK = 64  # logits per block when finding a row's candidates
 _NO_TIE = 2**31 - 1  # tie id of a row that keeps none of the tokens at its cut
 
 
@@ -88,7 +72,7 @@ class Filtered:
         return weights / self.total[:, None]
 
 
-# ----------------------------------------------------------------------------- filters: the radix path
+# ----------------------------------------------------------------------------- filters
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -160,107 +144,24 @@ def _radix_filter(x, top_k, top_p):
     return cut, tie_id, top, jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0), axis=-1)
 
 
-# ----------------------------------------------------------------------------- filters: the candidate path
-
-
-def top_candidates(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-    """The `count` largest logits of each row of x [R, V], descending, with their token ids, without
-    sorting the row: the row is read once for the maximum of each block of (up to) 64 logits, the `count`
-    blocks with the largest maxima are gathered, and `lax.top_k` runs on those count x 64 logits only.
-
-    Exact: fewer than `count` blocks have a maximum above L, the count-th largest block maximum, so every
-    logit above L lies in a gathered block, and the count blocks' maxima are count logits >= L. The values
-    are the row's `count` largest; the ids are right for every value above L, which includes every value
-    above the last one (at the last value a tie may be represented by other tokens of that logit).
-    Padding to whole blocks is -inf, so a padded id (>= V) can appear only at -inf."""
-    R, V = x.shape
-    block = _BLOCK
-    while block > 1 and -(-V // block) < count:
-        block //= 2
-    n = -(-V // block)
-    blocks = jnp.pad(x, ((0, 0), (0, n * block - V)), constant_values=-jnp.inf).reshape(R, n, block)
-    _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), count)  # [R, count] block ids
-    pool = jnp.take_along_axis(blocks, best[:, :, None], axis=1).reshape(R, count * block)
-    vals, at = jax.lax.top_k(pool, count)
-    return vals, jnp.take_along_axis(best, at // block, axis=1) * block + at % block
-
-
-def _candidate_filter(vals, ids, k, top_p):
-    """(cut, tie_id, total, exact) from each row's C largest logits vals [R, C] (descending) with their ids,
-    k [R] in [1, C] (the top-k count; top_k 0 or >= V is the vocabulary size). The rules are the radix
-    path's, applied to the candidates: top-k keeps the logits >= the k-th; top-p cuts at the first logit
-    where the cumulative probability reaches top_p, and of the tokens at the cut keeps as many as the
-    radix path's tie rule does, the highest ids. exact: every token top-k keeps is a candidate (the last
-    candidate is below the k-th logit), so the candidates decide everything; when a row is not exact the
-    caller takes the radix path instead."""
-    C = vals.shape[1]
-    top = vals[:, 0]
-    kth = jnp.take_along_axis(vals, (k - 1)[:, None], axis=1)[:, 0]
-    weights = jnp.where(vals >= kth[:, None], jnp.exp(vals - top[:, None]), 0.0)
-    probs = weights / jnp.sum(weights, axis=1, keepdims=True)
-    reached = jnp.cumsum(probs, axis=1) >= top_p[:, None]
-    first = jnp.where(jnp.any(reached, axis=1), jnp.argmax(reached, axis=1), C)
-    # Past the k-th candidate only logits equal to it carry probability; none reached: the cut is the k-th.
-    cut = jnp.take_along_axis(vals, jnp.minimum(first, k - 1)[:, None], axis=1)[:, 0]
-    cut = jnp.where(top_p >= 1, kth, cut)
-    tied = vals == cut[:, None]
-    above_mass = jnp.sum(jnp.where(vals > cut[:, None], probs, 0.0), axis=1)
-    tied_p = jnp.max(jnp.where(tied, probs, 0.0), axis=1)
-    i = jnp.arange(C, dtype=jnp.int32)[None, :]  # the tied tokens of higher id, as in the radix rule
-    n_keep = jnp.sum((i < jnp.sum(tied, axis=1, keepdims=True))
-                     & (above_mass[:, None] + i * tied_p[:, None] < top_p[:, None]), axis=1)
-    higher = jnp.sum(tied[:, None, :] & (ids[:, None, :] > ids[:, :, None]), axis=2)  # [R, C]
-    tie_id = jnp.min(jnp.where(tied & (higher < n_keep[:, None]), ids, _NO_TIE), axis=1)
-    tie_id = jnp.where(top_p >= 1, 0, tie_id)
-    kept = (vals > cut[:, None]) | (tied & (ids >= tie_id[:, None]))
-    total = jnp.sum(jnp.where(kept, jnp.exp(vals - top[:, None]), 0.0), axis=1)
-    return cut, tie_id, total, vals[:, -1] < kth
-
-
-# ----------------------------------------------------------------------------- filters
-
-
-def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                cap: int = TOP_K_CAP) -> Filtered:
+def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
     the tempered distribution (transformers' order). A greedy row (temperature 0) is filtered at
-    temperature 1 with top_k 1; its result is not used. cap: the largest top_k the candidate path takes
-    (static); 0 always takes the radix path. See the module docstring for the two paths."""
-    R, V = logits.shape
+    temperature 1; its result is not used."""
     greedy = temperature <= 0
     # One buffer of tempered logits for every use: XLA may otherwise recompute the division in each fusion
     # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
     # taken from one copy could miss its own token in another.
     x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
-    kept_by_k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)  # how many top-k keeps, ties aside
-    count = cap + 1  # one more than the cap: shows whether a tie at the k-th logit runs past the candidates
-
-    def radix():
-        return _radix_filter(x, top_k, top_p)
-
-    if cap <= 0:
-        return Filtered(x, *radix())
-    if V <= count:  # the candidates are the whole row: always exact
-        vals, ids = jax.lax.top_k(x, V)
-        cut, tie_id, total, _ = _candidate_filter(vals, ids, kept_by_k, top_p)
-        return Filtered(x, cut, tie_id, vals[:, 0], total)
-
-    def candidates():
-        vals, ids = top_candidates(x, count)
-        cut, tie_id, total, exact = _candidate_filter(vals, ids, jnp.where(greedy, 1, kept_by_k), top_p)
-        return jax.lax.cond(jnp.all(exact | greedy), lambda: (cut, tie_id, vals[:, 0], total), radix)
-
-    eligible = greedy | (kept_by_k <= cap)
-    return Filtered(x, *jax.lax.cond(jnp.all(eligible), candidates, radix))
+    return Filtered(x, *_radix_filter(x, top_k, top_p))
 
 
-def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   cap: int = TOP_K_CAP) -> jax.Array:
+def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]
     (`filter_rows`)."""
     shape = logits.shape
     t, k, p = (jnp.broadcast_to(x, shape[:-1]).reshape(-1) for x in (temperature, top_k, top_p))
-    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p, cap).probs().reshape(shape)
+    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p).probs().reshape(shape)
 
 
 def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:

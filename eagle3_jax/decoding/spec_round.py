@@ -225,6 +225,6 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
     """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
-    once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, fourth session).
+    once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does."""
     return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
