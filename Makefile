@@ -25,10 +25,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m eagle3_jax.demo
 
-# ruff first (seconds), then the suite; pytest's last line gives its time, --durations the slowest tests.
+# ruff first (seconds), then the suite on two workers (one per core; each test file stays on one worker,
+# so a module's fixtures are built once); pytest's last line gives its time, --durations the slowest tests.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 	$(MAKE) --no-print-directory test-gpu-jax
 
 $(GPU_JAX_STAMP): Makefile  # the venv's pins are here

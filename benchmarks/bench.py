@@ -79,8 +79,8 @@ def tiny_plan() -> Plan:
     drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
                             rms_norm_eps=1e-6, rope=rope, draft_vocab_size=64, target_vocab_size=256,
                             target_hidden_size=64, capture_layers=target.default_capture_layers)
-    return Plan(target, drafter, batches=(1, 2), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
-                gammas=(1, 3), reps=3, inner=2, copy_bytes=1 << 20, matmul_n=128)
+    return Plan(target, drafter, batches=(2,), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
+                gammas=(2,), reps=2, inner=2, copy_bytes=1 << 20, matmul_n=128)
 
 
 def decode_state(plan: Plan, batch: int, length: int, capacity: int, dtype,

@@ -1,13 +1,22 @@
-"""eagle3-jax: lossless EAGLE-3 speculative decoding of Qwen3 targets in JAX."""
+"""eagle3-jax: lossless EAGLE-3 speculative decoding of Qwen3 targets in JAX, and drafter training."""
 
 from eagle3_jax.checkpoints.drafter import Drafter, convert_drafter, load_drafter
 from eagle3_jax.checkpoints.target import Target, convert, load_target
 from eagle3_jax.decoding.engine import Engine, Result
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.training.trainer import TrainConfig, train_drafter
 
 __all__ = [
     "CheckpointError", "Drafter", "Engine", "Qwen3Config", "Result", "Target", "TrainConfig",
     "convert", "convert_drafter", "load_drafter", "load_target", "train_drafter",
 ]
+_TRAINING = ("TrainConfig", "train_drafter")
+
+
+def __getattr__(name: str):
+    """The trainer on first use: decoding alone never imports optax or the training code."""
+    if name in _TRAINING:
+        from eagle3_jax.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'eagle3_jax' has no attribute {name!r}")

@@ -18,8 +18,8 @@ def test_bench_smoke(tmp_path):
         assert results[section], section
         for row in results[section]:
             assert row["time_ms"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0 and row["compile_s"] > 0
-    assert {(r["batch"], r["kv_len"]) for r in results["decode"]} == {(1, 32), (2, 32)}
-    assert {r["tokens"] for r in results["verify"]} == {2, 4}
+    assert {(r["batch"], r["kv_len"]) for r in results["decode"]} == {(2, 32)}
+    assert {r["tokens"] for r in results["verify"]} == {3}
     for r in results["round"]:
         assert set(r["parts_ms"]) == {"verify", "chain", "rebuild"} and "overhead" in r
         assert r["time_ms_one_round_per_call"] > 0
@@ -80,3 +80,26 @@ def test_kernel_groups_sort_a_profile_by_kind():
                                             "fused norm / rope / cache write": 250.0,
                                             "other (small XLA fusions)": 80.0}
     assert measure.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
+
+
+def test_sampling_section_and_its_sort_reference(tmp_path):
+    """`--sampling-only`'s measurement at tiny shapes (its fields), and the sort-based filter it is timed
+    against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's alone)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eagle3_jax.decoding import sampling
+
+    b = bench.Bench(bench.tiny_plan(), ("xla",), budget_s=600, dtype=jnp.float32, out=tmp_path)
+    b.sampling(1, 1, "xla")
+    (entry,) = b.results["sampling"]
+    for proposal in ("argmax", "sample"):
+        for label in ("qwen3_defaults", "top_p_only"):
+            assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
+    assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
+    logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
+    t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
+    np.testing.assert_allclose(bench.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
+                               atol=1e-6)
+

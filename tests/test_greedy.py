@@ -70,7 +70,8 @@ def test_prompt_filling_max_len_gives_nothing(model_and_target):
         ([1, 2, 3], {}, "prompt 0 must be a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
         ([[1]], {"max_new_tokens": True}, "max_new_tokens must be a positive int, got True"),
-        ([[1]], {"stop_token_ids": [999]}, "stop token id 999"),
+        ([[1]], {"stop_token_ids": [999]}, "stop token id 999 is not an int in the vocabulary"),
+        ([[1]], {"stop_token_ids": [2.5]}, "stop token id 2.5 is not an int"),
     ],
 )
 def test_bad_requests_raise_before_device_work(model_and_target, prompts, kwargs, message):

@@ -174,8 +174,9 @@ class Engine:
         temperature 0 is greedy (the argmax; the other settings are then ignored); else the row samples
         from the target's distribution filtered as transformers' generate does (temperature, then top-k,
         then top-p; top_k 0 and top_p 1 mean no filter). seed None draws fresh entropy; an int in
-        [0, 2**64) fixes the row's draws, which depend on its seed, prompt and settings only, not on the
-        other rows. Bad values raise ValueError before any device work.
+        [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
+        settings and seed give the same tokens whatever the other rows. Bad values raise ValueError before
+        any device work.
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
         the round's one transfer either way, so tracing adds no device work and no transfer."""
         tokens = [[] for _ in prompts]
@@ -256,9 +257,9 @@ class Engine:
             if min(p) < 0 or max(p) >= vocab:
                 bad = next(t for t in p if not 0 <= t < vocab)
                 raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
-        bad_stops = [t for t in stop_token_ids if not (0 <= int(t) < vocab)]
+        bad_stops = [t for t in stop_token_ids if not _is_int(t) or not 0 <= int(t) < vocab]
         if bad_stops:
-            raise ValueError(f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"stop token id {bad_stops[0]!r} is not an int in the vocabulary [0, {vocab})")
         B = len(prompts)
         longest = max(len(p) for p in prompts)
         bucket = min(max(_MIN_PREFILL_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
