@@ -38,7 +38,7 @@ from eagle3_jax.decoding.engine import ROUNDS_PER_CALL, Engine
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
-from eagle3_jax.models.config import Qwen3Config, RopeConfig
+from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.eagle3 import DrafterConfig
 
 
@@ -60,25 +60,15 @@ class Plan:
 
 
 def qwen3_8b_plan() -> Plan:
-    rope = RopeConfig(theta=1e6, head_dim=128)
-    target = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope=rope, tie_word_embeddings=False,
-                         max_position_embeddings=40960)
-    drafter = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
-                            rms_norm_eps=1e-6, rope=rope, draft_vocab_size=32000, target_vocab_size=151936,
-                            target_hidden_size=4096, capture_layers=target.default_capture_layers)
+    target, drafter = measure.model_pair(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32,
+                                         kv_heads=8, head_dim=128, theta=1e6, draft_vocab=32000)
     return Plan(target, drafter, batches=(1, 8, 32), kv_lengths=(1024, 8192), spec_batches=(1, 8), spec_kv_length=1024,
                 gammas=(1, 3, 5, 7), reps=15, inner=10, copy_bytes=4 << 30, matmul_n=8192)
 
 
 def tiny_plan() -> Plan:
-    rope = RopeConfig(theta=1e4, head_dim=16)
-    target = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=rope, tie_word_embeddings=False,
-                         max_position_embeddings=1024)
-    drafter = DrafterConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                            rms_norm_eps=1e-6, rope=rope, draft_vocab_size=64, target_vocab_size=256,
-                            target_hidden_size=64, capture_layers=target.default_capture_layers)
+    target, drafter = measure.model_pair(vocab=256, hidden=64, intermediate=128, layers=6, heads=4, kv_heads=2,
+                                         head_dim=16, theta=1e4, draft_vocab=64, max_positions=1024)
     return Plan(target, drafter, batches=(2,), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
                 gammas=(2,), reps=2, inner=2, copy_bytes=1 << 20, matmul_n=128)
 

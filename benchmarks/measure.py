@@ -17,7 +17,25 @@ import jax.numpy as jnp
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import layers
 from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.config import Qwen3Config, RopeConfig
+from eagle3_jax.models.eagle3 import DrafterConfig
 from eagle3_jax.models.kv_cache import KVCache
+
+
+def model_pair(*, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+               head_dim: int, theta: float, draft_vocab: int, tied: bool = False,
+               max_positions: int = 40960) -> tuple[Qwen3Config, DrafterConfig]:
+    """A Qwen3 target's config and an EAGLE-3 drafter's of the same width and layer shape, capturing the
+    target's default layers: the pairs the benchmarks and GPU checks build random weights for."""
+    rope = RopeConfig(theta=theta, head_dim=head_dim)
+    target = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
+                         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope=rope,
+                         tie_word_embeddings=tied, max_position_embeddings=max_positions)
+    drafter = DrafterConfig(hidden_size=hidden, intermediate_size=intermediate, num_heads=heads, num_kv_heads=kv_heads,
+                            head_dim=head_dim, rms_norm_eps=1e-6, rope=rope, draft_vocab_size=draft_vocab,
+                            target_vocab_size=vocab, target_hidden_size=hidden,
+                            capture_layers=target.default_capture_layers)
+    return target, drafter
 
 
 def random_tree(abstract, seed: int):

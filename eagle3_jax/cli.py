@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding.engine import DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
@@ -21,14 +22,6 @@ def _parse_ids(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
-
-
-def _tokenizer(folder: Path):
-    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _use_compile_cache(folder: str | None) -> None:
@@ -99,15 +92,14 @@ def _generate(args) -> int:
     _use_compile_cache(None if args.no_compile_cache else args.compile_cache)
     target = eagle3_jax.load_target(args.target, dtype=args.dtype)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
-    tokenizer = _tokenizer(Path(args.target))
+    tokenizer = load_tokenizer(args.target)
     prompt = _prompt_ids(args, tokenizer)
     sampling = _sampling(args)
     settings = sampling["settings"]
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal)
-    has_eos = tokenizer is not None and tokenizer.eos_token_id is not None
-    stops = args.stop_ids or ([tokenizer.eos_token_id] if has_eos else [])
+    stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
     start = time.perf_counter()
@@ -164,7 +156,7 @@ def _regenerate(args) -> int:
 
     target = eagle3_jax.load_target(args.target, dtype=args.dtype)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
-    stats = regenerate(target, args.data, args.out, tokenizer=_tokenizer(Path(args.target)),
+    stats = regenerate(target, args.data, args.out, tokenizer=load_tokenizer(args.target),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_len=args.max_len,
                        drafter=drafter, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}; "

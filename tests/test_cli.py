@@ -146,14 +146,15 @@ def test_generate_samples_with_generation_config_defaults_or_flags(folders, tmp_
 def test_chat_renders_the_template_with_enable_thinking(folders, tmp_path, capsys):
     import argparse
 
-    from eagle3_jax.cli import _prompt_ids, _tokenizer
+    from eagle3_jax.checkpoints.tokenizer import load_tokenizer
+    from eagle3_jax.cli import _prompt_ids
 
     folder = _copy_target(folders, tmp_path, do_sample=False)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"
                                "{% if enable_thinking is defined and not enable_thinking %}w3{% else %}w2{% endif %}")
     tokenizer.save_pretrained(folder)
-    tokenizer = _tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     for thinking, last in ((None, 2), (True, 2), (False, 3)):
         args = argparse.Namespace(prompt="w5 w6", prompt_ids=None, chat=True, thinking=thinking, target=str(folder))
         assert _prompt_ids(args, tokenizer) == [1, 5, 6, last]

@@ -20,8 +20,7 @@ import pallas_kernels
 from benchmarks import measure
 from eagle3_jax.models import eagle3, qwen3
 from eagle3_jax.models.attention import rotate_and_cache, uses_mosaic_prefill
-from eagle3_jax.models.config import Qwen3Config, RopeConfig
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.kernels import hopper
 from eagle3_jax.models.layers import add_rms_norm, rope_tables
 
@@ -100,13 +99,8 @@ def test_fused_kernels(dtype):
 
 def _models(dtype):
     """A Qwen3-1.7B-shaped target and a drafter of its width, random weights (benchmarks/measure.py)."""
-    rope = RopeConfig(theta=1e6, head_dim=128)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                      num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope=rope, tie_word_embeddings=True,
-                      max_position_embeddings=40960)
-    dcfg = DrafterConfig(hidden_size=2048, intermediate_size=6144, num_heads=16, num_kv_heads=8, head_dim=128,
-                         rms_norm_eps=1e-6, rope=rope, draft_vocab_size=32000, target_vocab_size=151936,
-                         target_hidden_size=2048, capture_layers=cfg.default_capture_layers)
+    cfg, dcfg = measure.model_pair(vocab=151936, hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8,
+                                   head_dim=128, theta=1e6, draft_vocab=32000, tied=True)
     target = eagle3_jax.Target(cfg, measure.random_tree(qwen3.abstract_params(cfg, jnp.dtype(dtype)), seed=1), None)
     drafter = eagle3_jax.Drafter(dcfg, measure.random_tree(
         eagle3.abstract_params(dcfg, jnp.dtype(dtype)), seed=2), None)

@@ -108,8 +108,7 @@ class Engine:
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
         # More rounds than max_len can never emit a token: every round emits one per live row.
-        if isinstance(rounds_per_call, bool) or not isinstance(rounds_per_call, (int, np.integer)) \
-                or not 1 <= rounds_per_call <= max_len:
+        if not _is_int(rounds_per_call) or not 1 <= rounds_per_call <= max_len:
             raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
@@ -244,8 +243,7 @@ class Engine:
         vocab = self.target.config.vocab_size
         if isinstance(prompts, (str, bytes)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         for i, p in enumerate(prompts):
             if not isinstance(p, (list, tuple, np.ndarray)):  # a ValueError, as for every bad request
@@ -261,9 +259,7 @@ class Engine:
         if bad_stops:
             raise ValueError(f"stop token id {bad_stops[0]!r} is not an int in the vocabulary [0, {vocab})")
         B = len(prompts)
-        longest = max(len(p) for p in prompts)
-        bucket = min(max(_MIN_PREFILL_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
-        tokens = np.zeros((B, bucket), np.int32)
+        tokens = np.zeros((B, bucket_length(max(len(p) for p in prompts), self.max_len)), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         slots = max(_STOP_SLOTS, -(-len(stop_token_ids) // _STOP_SLOTS) * _STOP_SLOTS)
@@ -276,6 +272,12 @@ class Engine:
         settings = _sampling_settings(B, temperature, top_k, top_p, seed)
         inputs = jax.device_put(host if settings is None else host + (settings,))
         return inputs, np.minimum(max_new, self.max_len - lengths)
+
+
+def bucket_length(length: int, max_len: int) -> int:
+    """The padded length of a row of `length` tokens: a power of two from 16 up, capped at max_len, so that
+    padding stays under half a row and few shapes compile."""
+    return min(max(_MIN_PREFILL_BUCKET, 1 << (length - 1).bit_length()), max_len)
 
 
 def _per_row(name: str, value, B: int) -> list:

@@ -1,9 +1,10 @@
 """From samples to fixed-shape batches: long documents split, rows bucketed by length, epochs shuffled.
 
-Each row holds one sample, right-padded to its bucket (a power of two from 16 up, capped at max_len), so
-padding stays under half a row and only a few shapes compile. A row's last real token is taken out of
-the loss (it has no next token to teach), as SpecForge's data normaliser does. The batches of an epoch
-are a pure function of (samples, seed, epoch): a resumed run sees exactly the batches it would have.
+Each row holds one sample, right-padded to its bucket (`bucket_length`, the engine's prompt buckets: a
+power of two from 16 up, capped at max_len), so padding stays under half a row and few shapes compile.
+A row's last real token is taken out of the loss (it has no next token to teach), as SpecForge's data
+normaliser does. The batches of an epoch are a pure function of (samples, seed, epoch): a resumed run
+sees exactly the batches it would have.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from eagle3_jax.decoding.engine import bucket_length
 from eagle3_jax.training.data import Sample
-
-_MIN_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +34,6 @@ def split_long(samples: list[Sample], max_len: int) -> list[Sample]:
             if piece.loss_mask[:-1].any():
                 out.append(piece)
     return out
-
-
-def bucket_length(length: int, max_len: int) -> int:
-    return min(max(_MIN_BUCKET, 1 << (length - 1).bit_length()), max_len)
 
 
 def epoch_plan(lengths: list[int], batch_size: int, max_len: int, seed: int, epoch: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.checkpoints.tokenizer import eos_stop_ids
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length
 
@@ -105,7 +106,7 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
     done = _done_lines(out)
     engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
                     max_len=min(max_len, target.config.max_position_embeddings))
-    stops = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+    stops = eos_stop_ids(tokenizer)
     bar = None
     if progress:
         from tqdm.auto import tqdm

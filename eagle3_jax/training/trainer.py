@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.training import batching, evaluate, export, step, vocab
 from eagle3_jax.training.data import load_samples
@@ -78,15 +79,6 @@ class TrainConfig:
             raise ValueError("TrainConfig needs eval_gammas >= 1, eval_every >= 0 and num_devices >= 0")
 
 
-def _tokenizer(target: Target):
-    folder = target.folder
-    if folder is None or not (Path(folder) / "tokenizer.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
 def _mesh(config: TrainConfig) -> Mesh:
     devices = jax.devices()
     n = config.num_devices or len(devices)
@@ -122,7 +114,7 @@ class _Run:
 
 def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarray]:
     """Everything checked on the host first (data, vocabulary, devices): bad input fails before device work."""
-    tokenizer = _tokenizer(target)
+    tokenizer = load_tokenizer(target.folder)
     tcfg = target.config
     paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     samples = load_samples(paths, tokenizer, tcfg.vocab_size)
@@ -146,7 +138,7 @@ def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarra
                          loss_decay=config.loss_decay, compute_dtype=config.compute_dtype, kernels=kernels,
                          learning_rate=config.learning_rate, warmup_steps=int(config.warmup_ratio * total),
                          total_steps=total, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
-    stop_ids = (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+    stop_ids = eos_stop_ids(tokenizer)
     replicated = NamedSharding(mesh, PartitionSpec())
     tparams = jax.device_put(target.params, replicated)
     return _Run(samples, lengths, seq_len, num_batches, spec, mesh, tparams, eval_prompts, stop_ids), d2t
