@@ -25,9 +25,11 @@ def as_drafter(cfg: DrafterConfig, params: dict, d2t, dtype) -> Drafter:
 
 
 def tau(target: Target, drafter: Drafter, prompts: list[list[int]], gamma: int, max_new_tokens: int,
-        stop_token_ids=(), kernels: str | None = None) -> float:
-    """Mean accepted drafts + 1 over every round of greedy speculative decoding of the prompts."""
+        stop_token_ids=(), kernels: str | None = None, temperature: float = 0.0, seed: int | None = None) -> float:
+    """Mean accepted drafts + 1 over every round of speculative decoding of the prompts: greedy, or sampled at
+    `temperature` (seeded)."""
     max_len = min(max(len(p) for p in prompts) + max_new_tokens + gamma + 2, target.config.max_position_embeddings)
     engine = Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len, kernels=kernels)
-    rounds = [a for r in engine.generate(prompts, max_new_tokens, stop_token_ids) for a in r.accept_lengths]
+    results = engine.generate(prompts, max_new_tokens, stop_token_ids, temperature=temperature, seed=seed)
+    rounds = [a for r in results for a in r.accept_lengths]
     return float(np.mean(rounds) + 1) if rounds else float("nan")

@@ -1,0 +1,354 @@
+"""Builds the demo pair that `make demo` ships: a small Qwen3 trained from scratch on the Python standard
+library's sources, and its EAGLE-3 drafter trained with `eagle3-jax train` on the target's own continuations.
+
+    python -m eagle3_jax.demo.build --work DIR [--out eagle3_jax/demo/pair] [--deadline-s S]
+
+Stages, each skipped when its output is already in DIR, so a build stopped by --deadline-s (or killed)
+continues where it was when run again with the same DIR:
+  corpus      the library's .py files (`corpus.py`), their manifest, the held-out prompts
+  tokenizer   a byte-level BPE trained with `tokenizers` on the training files (AutoTokenizer reads it)
+  tokens      the training and held-out files as token streams, documents joined by <|endoftext|>
+  target      next-token pre-training (`training/pretrain.py`, orbax, resumable), exported as a Hugging Face
+              folder in bfloat16 (the shipped weights; later stages run them in float32)
+  regenerate  `eagle3-jax regenerate`: the target's greedy and sampled continuations of prompts cut from the
+              training files (resumable by line)
+  drafter     `eagle3-jax train` on those continuations (resumable from its orbax checkpoints)
+  evaluate    tau on the held-out prompts: greedy at gamma 1..7 and sampled at temperature 0.7 (gamma 3)
+  ship        the pair (bfloat16 safetensors), the tokenizer, the prompts, the manifest and record.json
+              (settings, stage times, loss curves, tau) into --out
+On the GPU the build runs float32 matmuls at full float32 precision, as the CPU demo computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_jax.demo import corpus
+
+PAIR = Path(__file__).parent / "pair"  # the shipped pair
+EOS = "<|endoftext|>"
+SAMPLED_TEMPERATURE = 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """Every setting of a build; record.json keeps them."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    max_position_embeddings: int = 1024
+    seq_len: int = 1024
+    batch_size: int = 64
+    pretrain_steps: int = 0  # 0: as many as fit in pretrain_budget_s at the measured step time
+    pretrain_budget_s: float = 240.0
+    learning_rate: float = 2e-3
+    prompt_chars: int = 240  # prompts are whole lines, at most this many characters
+    prompts_per_file: int = 4  # regeneration prompts per training file: its start and random lines
+    sampled_share: float = 0.25  # of those prompts, regenerated at SAMPLED_TEMPERATURE rather than greedily
+    regen_max_new_tokens: int = 192
+    regen_batch_size: int = 256
+    draft_vocab_size: int = 4096
+    drafter_batch_size: int = 64
+    drafter_learning_rate: float = 1e-3
+    drafter_epochs: int = 10
+    eval_prompts: int = 32
+    eval_max_new_tokens: int = 128
+    files_per_split: int = 0  # 0: every file; otherwise a small trial build on this many files per split
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls) -> "BuildConfig":
+        """A build that runs through every stage on the CPU in under a minute (for tests)."""
+        return cls(vocab_size=384, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
+                   intermediate_size=64, max_position_embeddings=256, seq_len=64, batch_size=4, pretrain_steps=6,
+                   prompt_chars=80, prompts_per_file=1, regen_max_new_tokens=8, regen_batch_size=8,
+                   draft_vocab_size=128, drafter_batch_size=4, drafter_epochs=1, eval_prompts=2,
+                   eval_max_new_tokens=8, files_per_split=6)
+
+    def target_config(self):
+        from eagle3_jax.models.config import Qwen3Config, RopeConfig
+
+        return Qwen3Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, head_dim=self.head_dim),
+                           tie_word_embeddings=True, max_position_embeddings=self.max_position_embeddings)
+
+
+class Build:
+    """One build's folders and record; each stage method reads the previous stages' files."""
+
+    def __init__(self, work: Path, config: BuildConfig, deadline: float):
+        self.work, self.config, self.deadline = work, config, deadline
+        work.mkdir(parents=True, exist_ok=True)
+        self.record_path = work / "record.json"
+        self.record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {}
+        saved = self.record.get("config")
+        if saved is not None and saved != dataclasses.asdict(config):
+            raise ValueError(f"{work} holds a build with other settings; use another --work folder")
+        self.record["config"] = dataclasses.asdict(config)
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def save(self) -> None:
+        self.record_path.write_text(json.dumps(self.record, indent=1))
+
+    def timed(self, name: str, fn) -> None:
+        """Runs a stage unless it is recorded as done; adds its time to the stage's total."""
+        times = self.record.setdefault("stage_seconds", {})
+        if name in self.record.setdefault("done", []):
+            return
+        start = time.perf_counter()
+        finished = fn()
+        times[name] = round(times.get(name, 0.0) + time.perf_counter() - start, 1)
+        if finished is not False:
+            self.record["done"].append(name)
+        self.save()
+        print(f"[build] {name}: {'done' if finished is not False else 'stopped at the deadline'} "
+              f"({times[name]:.0f} s in all)", flush=True)
+        if finished is False:
+            raise _Deadline
+
+    # -- stages ---------------------------------------------------------------------------------------------
+
+    def corpus(self) -> None:
+        files = corpus.read_sources(limit=self.config.files_per_split or None)
+        (self.work / "manifest.json").write_text(json.dumps(corpus.manifest(files), indent=1))
+        prompts = corpus.held_out_prompts(files, self.config.prompt_chars)
+        (self.work / "prompts.json").write_text(json.dumps(prompts, indent=1))
+        self.record["corpus"] = {"train_files": sum(not f.held_out for f in files),
+                                 "held_out_files": sum(f.held_out for f in files),
+                                 "train_bytes": sum(len(f.text.encode()) for f in files if not f.held_out),
+                                 "held_out_prompts": len(prompts)}
+
+    def _sources(self) -> list[corpus.SourceFile]:
+        """The manifest's files, read again and checked against their recorded hashes."""
+        manifest = json.loads((self.work / "manifest.json").read_text())
+        files = {f.path: f for f in corpus.read_sources()}
+        missing = [m["path"] for m in manifest["files"]
+                   if m["path"] not in files or files[m["path"]].sha256 != m["sha256"]]
+        if missing:
+            raise ValueError(f"{len(missing)} corpus files changed since the corpus stage (first: {missing[0]})")
+        return [files[m["path"]] for m in manifest["files"]]
+
+    def tokenizer(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=self.config.vocab_size, special_tokens=[EOS], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator((f.text for f in self._sources() if not f.held_out), trainer)
+        folder = self.work / "target"
+        folder.mkdir(exist_ok=True)
+        tok.save(str(folder / "tokenizer.json"))
+        # PreTrainedTokenizerFast reads tokenizer.json; no clean-up of spaces, which would alter code.
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
+            "model_max_length": self.config.max_position_embeddings, "clean_up_tokenization_spaces": False}, indent=1))
+        eos = tok.token_to_id(EOS)
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+
+    def _tok(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.work / "target" / "tokenizer.json"))
+
+    def tokens(self) -> None:
+        tok, files = self._tok(), self._sources()
+        eos = tok.token_to_id(EOS)
+        for name, held_out in (("train", False), ("held_out", True)):
+            docs = tok.encode_batch([f.text for f in files if f.held_out == held_out])
+            stream = np.concatenate([np.asarray(d.ids + [eos], np.uint16) for d in docs])
+            np.save(self.work / f"{name}_tokens.npy", stream)
+            self.record.setdefault("corpus", {})[f"{name}_tokens"] = int(stream.size)
+
+    def target(self):
+        import jax
+
+        from eagle3_jax.checkpoints.target_export import export_hf
+        from eagle3_jax.training import pretrain
+
+        cfg, stream = self.config.target_config(), np.load(self.work / "train_tokens.npy")
+        steps = self.config.pretrain_steps or self.record.get("pretrain_steps") or self._fit_steps(cfg, stream)
+        self.record["pretrain_steps"] = steps
+        self.save()
+        config = self._pretrain_config(steps)
+        state = pretrain.pretrain(cfg, stream, self.work / "pretrain", config, time_budget_s=max(self.left() - 30, 1),
+                                  log_every=max(steps // 100, 1), checkpoint_every=max(steps // 4, 1))
+        if int(state.step) < steps:
+            return False
+        params = jax.device_get(state.params)
+        self.record["target_held_out_loss"] = pretrain.evaluate_loss(
+            params, cfg, np.load(self.work / "held_out_tokens.npy"), self.config.seq_len)
+        self.record["pretrain_curve"] = _jsonl(self.work / "pretrain" / "metrics.jsonl")
+        # bfloat16, as shipped: every later stage runs the weights the demo runs.
+        export_hf(self.work / "target", cfg, params, "bfloat16", eos_token_id=self._tok().token_to_id(EOS))
+
+    def _pretrain_config(self, steps: int):
+        from eagle3_jax.training.pretrain import PretrainConfig
+
+        c = self.config
+        return PretrainConfig(seq_len=c.seq_len, batch_size=c.batch_size, steps=steps, learning_rate=c.learning_rate,
+                              warmup_steps=max(steps // 50, 1) if steps > 1 else 0, seed=c.seed)
+
+    def _fit_steps(self, cfg, stream) -> int:
+        """Updates that fit in pretrain_budget_s: the step time measured over 10 updates after two (compiling)."""
+        import jax
+
+        from eagle3_jax.training import pretrain
+
+        config = self._pretrain_config(1000)
+        state = pretrain.init_state(cfg, config)
+        for i in range(12):
+            if i == 2:
+                start = time.perf_counter()
+            state, metrics = pretrain.jit_train_step(state, pretrain.windows_at(stream, config, i), cfg=cfg,
+                                                     config=config)
+            jax.block_until_ready(metrics)
+        seconds = (time.perf_counter() - start) / 10
+        self.record["pretrain_step_ms"] = round(seconds * 1e3, 2)
+        return max(int(self.config.pretrain_budget_s / seconds), 10)
+
+    def regenerate(self):
+        from eagle3_jax import cli
+
+        tok, c = self._tok(), self.config
+        rng = random.Random(c.seed)
+        records = {"greedy": [], "sampled": []}
+        for f in self._sources():
+            lines = f.text.splitlines()
+            if f.held_out or not lines:
+                continue
+            starts = [0] + [rng.randrange(len(lines)) for _ in range(c.prompts_per_file - 1)]
+            for start in starts:
+                text = corpus.lines_from(f.text, start, c.prompt_chars).rstrip("\n")
+                if text.strip():
+                    kind = "sampled" if rng.random() < c.sampled_share else "greedy"
+                    records[kind].append({"input_ids": tok.encode(text).ids})
+        for kind, recs in records.items():
+            if not recs:
+                continue
+            prompts = self.work / f"regen_prompts_{kind}.jsonl"
+            prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+            args = ["regenerate", "--target", str(self.work / "target"), "--data", str(prompts),
+                    "--out", str(self.work / f"regen_{kind}.jsonl"), "--max-new-tokens", str(c.regen_max_new_tokens),
+                    "--batch-size", str(c.regen_batch_size), "--max-len", str(c.max_position_embeddings),
+                    "--dtype", "float32"]
+            if kind == "sampled":
+                args += ["--temperature", str(SAMPLED_TEMPERATURE), "--seed", str(c.seed)]
+            if cli.main(args) != 0:
+                raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
+        self.record["regenerated_records"] = {k: len(v) for k, v in records.items()}
+
+    def drafter(self):
+        from eagle3_jax import cli
+
+        c = self.config
+        eval_file = self.work / "eval_prompts.jsonl"
+        prompts = json.loads((self.work / "prompts.json").read_text())[:c.eval_prompts]
+        eval_file.write_text("".join(json.dumps({"text": p["text"].rstrip("\n")}) + "\n" for p in prompts))
+        data = [str(p) for p in sorted(self.work.glob("regen_*.jsonl")) if "prompts" not in p.name]
+        args = ["train", "--target", str(self.work / "target"), "--out", str(self.work / "drafter"),
+                "--eval-data", str(eval_file), "--draft-vocab-size", str(c.draft_vocab_size),
+                "--max-seq-len", str(c.max_position_embeddings), "--batch-size", str(c.drafter_batch_size),
+                "--learning-rate", str(c.drafter_learning_rate), "--epochs", str(c.drafter_epochs),
+                "--checkpoint-every", "200", "--seed", str(c.seed), "--dtype", "float32",
+                "--compute-dtype", "float32", "--resume"]
+        for d in data:
+            args += ["--data", d]
+        if cli.main(args) != 0:
+            raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
+        self.record["drafter_curve"] = _jsonl(self.work / "drafter" / "metrics.jsonl")
+
+    def evaluate(self):
+        import eagle3_jax
+        from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
+        from eagle3_jax.training import evaluate
+
+        c = self.config
+        target = eagle3_jax.load_target(self.work / "target", dtype="float32", progress=False)
+        drafter = eagle3_jax.load_drafter(self.work / "drafter", target, dtype="float32")
+        tokenizer = load_tokenizer(self.work / "target")
+        prompts = [tokenizer(p["text"].rstrip("\n"))["input_ids"]
+                   for p in json.loads((self.work / "prompts.json").read_text())[:c.eval_prompts]]
+        stops = eos_stop_ids(tokenizer)
+        taus = {g: evaluate.tau(target, drafter, prompts, g, c.eval_max_new_tokens, stops) for g in range(1, 8)}
+        self.record["tau_greedy"] = {str(g): round(t, 3) for g, t in taus.items()}
+        self.record["tau_sampled_gamma3"] = round(evaluate.tau(
+            target, drafter, prompts, 3, c.eval_max_new_tokens, stops, temperature=SAMPLED_TEMPERATURE, seed=c.seed), 3)
+        print(f"[build] tau greedy {self.record['tau_greedy']}, sampled (T={SAMPLED_TEMPERATURE}, gamma 3) "
+              f"{self.record['tau_sampled_gamma3']}", flush=True)
+
+    def ship(self, out: Path) -> None:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        shutil.copytree(self.work / "target", tmp / "target")
+        (tmp / "drafter").mkdir()
+        for name in ("config.json", "model.safetensors"):  # the trainer's export is bfloat16
+            shutil.copy(self.work / "drafter" / name, tmp / "drafter" / name)
+        for name in ("prompts.json", "manifest.json"):
+            shutil.copy(self.work / name, tmp / name)
+        (tmp / "record.json").write_text(json.dumps(self.record, indent=1))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+
+
+class _Deadline(Exception):
+    """A stage stopped at --deadline-s; running the build again continues it."""
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def build(work: Path, out: Path, config: BuildConfig, deadline_s: float) -> dict:
+    """Runs every stage not yet done; returns the record. Raises nothing at the deadline: the record's
+    "done" list says how far it got."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    b = Build(work, config, time.perf_counter() + deadline_s)
+    try:
+        for name in ("corpus", "tokenizer", "tokens", "target", "regenerate", "drafter", "evaluate"):
+            b.timed(name, getattr(b, name))
+        b.timed("ship", lambda: b.ship(out))
+    except _Deadline:
+        print(f"[build] stopped at the deadline; run again with --work {work} to continue", flush=True)
+    return b.record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.demo.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", required=True, type=Path, help="working folder; rerun with it to continue")
+    parser.add_argument("--out", type=Path, default=PAIR, help="where the finished pair goes")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"), help="stop cleanly after this long")
+    parser.add_argument("--pretrain-steps", type=int, default=0, help="0: fit to the pre-training time budget")
+    parser.add_argument("--tiny", action="store_true", help="a minute-long trial build on a few files (CPU)")
+    args = parser.parse_args(argv)
+    config = BuildConfig.tiny() if args.tiny else BuildConfig()
+    if args.pretrain_steps:
+        config = dataclasses.replace(config, pretrain_steps=args.pretrain_steps)
+    record = build(args.work, args.out, config, args.deadline_s)
+    return 0 if "ship" in record.get("done", []) else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

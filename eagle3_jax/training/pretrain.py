@@ -1,0 +1,204 @@
+"""Training a Qwen3 target from scratch: next-token cross-entropy through our own `qwen3.forward`, optax AdamW,
+orbax checkpoints with exact resume. It is how the demo pair's target is made (eagle3_jax/demo/build.py); a
+drafter for a real target is trained with `train_drafter` instead.
+
+The data is one token stream (documents joined by an end-of-text id); update i reads `batch_size` windows of
+`seq_len + 1` tokens at offsets drawn from (seed, i) alone, so a resumed run reads what an uninterrupted one
+would. Master parameters and the optimizer state are float32; the forward and backward run in compute_dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eagle3_jax.models import qwen3
+from eagle3_jax.models.config import Qwen3Config
+
+_NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm")
+INIT_STD = 0.02  # transformers' Qwen3 initializer_range
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Pre-training settings (hashable: part of the jitted step's static spec)."""
+
+    seq_len: int = 1024
+    batch_size: int = 64
+    steps: int = 3000
+    learning_rate: float = 2e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of the peak
+    weight_decay: float = 0.1
+    b2: float = 0.95
+    max_grad_norm: float = 1.0
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"PretrainConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError("PretrainConfig.warmup_steps must be in [0, steps)")
+        if self.learning_rate <= 0 or self.max_grad_norm <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("PretrainConfig needs learning_rate > 0, max_grad_norm > 0, 0 <= min_lr_ratio <= 1")
+        if self.compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError("PretrainConfig.compute_dtype must be 'bfloat16' or 'float32'")
+
+
+def init_params(cfg: Qwen3Config, seed: int) -> dict:
+    """Weights ~ N(0, 0.02) and norms at one, as transformers initialises a Qwen3; float32."""
+    abstract = qwen3.abstract_params(cfg, jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def init(path, leaf, key):
+        if _leaf_name(path) in _NORMS:
+            return jnp.ones(leaf.shape, jnp.float32)
+        return INIT_STD * jax.random.normal(key, leaf.shape, jnp.float32)
+
+    return jax.tree_util.tree_unflatten(treedef, [init(p, x, k) for (p, x), k in zip(leaves, keys)])
+
+
+def _leaf_name(path) -> str:
+    last = path[-1]
+    return getattr(last, "key", getattr(last, "name", str(last)))
+
+
+def learning_rate(config: PretrainConfig):
+    """Linear warmup to the peak, then a cosine down to min_lr_ratio of it at the last update."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=config.steps, end_value=config.learning_rate * config.min_lr_ratio)
+
+
+def optimizer(config: PretrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; norms are not decayed."""
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) not in _NORMS, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(learning_rate(config), b1=0.9, b2=config.b2, eps=1e-8, weight_decay=config.weight_decay,
+                    mask=decay_mask))
+
+
+def next_token_loss(params: dict, cfg: Qwen3Config, windows: jax.Array, compute_dtype: str = "float32"):
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] (windows [B, T + 1] int32),
+    the logits in float32; transformers' Qwen3ForCausalLM(labels=...) loss when every label counts."""
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    B, T = inputs.shape
+    p = jax.tree.map(lambda x: x.astype(jnp.dtype(compute_dtype)), params)
+    hidden, _, _ = qwen3.forward(p, cfg, inputs, qwen3.new_cache(cfg, B, T, p["embed"].dtype), kernels="xla")
+    return optax.softmax_cross_entropy_with_integer_labels(qwen3.logits(p, hidden), labels).mean()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PretrainState:
+    step: jax.Array  # int32 scalar: updates done
+    params: dict  # float32
+    opt_state: optax.OptState
+
+
+def init_state(cfg: Qwen3Config, config: PretrainConfig) -> PretrainState:
+    params = init_params(cfg, config.seed)
+    return PretrainState(jnp.zeros((), jnp.int32), params, optimizer(config).init(params))
+
+
+def train_step(state: PretrainState, windows, *, cfg: Qwen3Config, config: PretrainConfig):
+    """One update; returns the new state and the batch's loss (before the update) and gradient norm."""
+    loss, grads = jax.value_and_grad(next_token_loss)(state.params, cfg, windows, config.compute_dtype)
+    updates, opt_state = optimizer(config).update(grads, state.opt_state, state.params)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(config)(state.step)}
+    return PretrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), metrics
+
+
+jit_train_step = jax.jit(train_step, static_argnames=("cfg", "config"), donate_argnames=("state",))
+_jit_loss = jax.jit(next_token_loss, static_argnames=("cfg", "compute_dtype"))
+
+
+def windows_at(stream: np.ndarray, config: PretrainConfig, index: int) -> np.ndarray:
+    """The [batch_size, seq_len + 1] windows of update `index`: a pure function of (seed, index)."""
+    span = config.seq_len + 1
+    if len(stream) < span:
+        raise ValueError(f"the token stream has {len(stream)} tokens, fewer than seq_len + 1 = {span}")
+    offsets = np.random.default_rng([config.seed, index]).integers(0, len(stream) - span + 1, config.batch_size)
+    return np.stack([stream[o:o + span] for o in offsets]).astype(np.int32)
+
+
+def evaluate_loss(params: dict, cfg: Qwen3Config, stream: np.ndarray, seq_len: int, max_windows: int = 64) -> float:
+    """Mean next-token loss over consecutive, non-overlapping windows of a held-out stream (float32)."""
+    span = seq_len + 1
+    count = min(len(stream) // span, max_windows)
+    if count == 0:
+        raise ValueError(f"the held-out stream has {len(stream)} tokens, fewer than seq_len + 1 = {span}")
+    windows = stream[:count * span].reshape(count, span).astype(np.int32)
+    losses = [float(_jit_loss(params, cfg, jnp.asarray(windows[i:i + 8]))) for i in range(0, count, 8)]
+    sizes = [min(8, count - i) for i in range(0, count, 8)]
+    return float(np.average(losses, weights=sizes))
+
+
+def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: PretrainConfig,
+             time_budget_s: float = math.inf, log_every: int = 50, checkpoint_every: int = 500) -> PretrainState:
+    """Trains from the latest checkpoint in out_dir (or from scratch) until config.steps updates are done or
+    time_budget_s has passed, then checkpoints. metrics.jsonl gets a line every log_every updates. Returns the
+    state; its step says whether the run is complete."""
+    import orbax.checkpoint as ocp
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_run(out_dir, cfg, config)
+    state = init_state(cfg, config)
+    manager = ocp.CheckpointManager((out_dir / "checkpoints").absolute(),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    latest = manager.latest_step()
+    if latest is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    start, clock = time.perf_counter(), time.perf_counter()
+    try:
+        for index in range(int(state.step), config.steps):
+            state, metrics = jit_train_step(state, jnp.asarray(windows_at(stream, config, index)), cfg=cfg,
+                                            config=config)
+            done = index + 1
+            if done % log_every == 0 or done == config.steps:
+                m = jax.device_get(metrics)
+                now = time.perf_counter()
+                line = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                        "lr": float(m["lr"]), "tokens_per_s": log_every * config.batch_size * config.seq_len
+                        / (now - clock)}
+                clock = now
+                with open(out_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(line) + "\n")
+                print(json.dumps(line), flush=True)
+            out_of_time = time.perf_counter() - start > time_budget_s
+            if done % checkpoint_every == 0 or done == config.steps or out_of_time:
+                manager.save(done, args=ocp.args.StandardSave(state))
+            if out_of_time:
+                break
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+    return state
+
+
+def _check_run(out_dir: Path, cfg: Qwen3Config, config: PretrainConfig) -> None:
+    """A resumed run must have the same model and settings as the checkpoints it continues."""
+    record = {"model": repr(cfg), "config": repr(config)}
+    path = out_dir / "run.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != record:
+            raise ValueError(f"{out_dir}: its checkpoints were trained with other settings; use another folder")
+    else:
+        path.write_text(json.dumps(record, indent=1))
