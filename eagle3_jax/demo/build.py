@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import shutil
 import sys
@@ -53,14 +54,14 @@ class BuildConfig:
     max_position_embeddings: int = 1024
     seq_len: int = 1024
     batch_size: int = 64
-    pretrain_steps: int = 0  # 0: as many as fit in pretrain_budget_s at the measured step time
-    pretrain_budget_s: float = 240.0
+    pretrain_epochs: float = 8.0  # passes over the training tokens (the step count follows from it)
     learning_rate: float = 2e-3
     prompt_chars: int = 240  # prompts are whole lines, at most this many characters
-    prompts_per_file: int = 4  # regeneration prompts per training file: its start and random lines
+    prompts_per_file: int = 2  # regeneration prompts per training file: its start and random lines
     sampled_share: float = 0.25  # of those prompts, regenerated at SAMPLED_TEMPERATURE rather than greedily
     regen_max_new_tokens: int = 192
-    regen_batch_size: int = 256
+    regen_batch_size: int = 512
+    raw_chunks_per_record: float = 1.0  # plain training text (256-token windows) per regenerated record
     draft_vocab_size: int = 4096
     drafter_batch_size: int = 64
     drafter_learning_rate: float = 1e-3
@@ -74,7 +75,7 @@ class BuildConfig:
     def tiny(cls) -> "BuildConfig":
         """A build that runs through every stage on the CPU in under a minute (for tests)."""
         return cls(vocab_size=384, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
-                   intermediate_size=64, max_position_embeddings=256, seq_len=64, batch_size=4, pretrain_steps=6,
+                   intermediate_size=64, max_position_embeddings=256, seq_len=64, batch_size=4, pretrain_epochs=0.5,
                    prompt_chars=80, prompts_per_file=1, regen_max_new_tokens=8, regen_batch_size=8,
                    draft_vocab_size=128, drafter_batch_size=4, drafter_epochs=1, eval_prompts=2,
                    eval_max_new_tokens=8, files_per_split=6)
@@ -171,13 +172,30 @@ class Build:
         return Tokenizer.from_file(str(self.work / "target" / "tokenizer.json"))
 
     def tokens(self) -> None:
-        tok, files = self._tok(), self._sources()
+        """The token streams, and every prompt later stages need, so that they need no corpus."""
+        tok, files, c = self._tok(), self._sources(), self.config
         eos = tok.token_to_id(EOS)
         for name, held_out in (("train", False), ("held_out", True)):
             docs = tok.encode_batch([f.text for f in files if f.held_out == held_out])
             stream = np.concatenate([np.asarray(d.ids + [eos], np.uint16) for d in docs])
             np.save(self.work / f"{name}_tokens.npy", stream)
             self.record.setdefault("corpus", {})[f"{name}_tokens"] = int(stream.size)
+        rng = random.Random(c.seed)
+        records = {"greedy": [], "sampled": []}
+        for f in files:
+            lines = f.text.splitlines()
+            if f.held_out or not lines:
+                continue
+            for start in [0] + [rng.randrange(len(lines)) for _ in range(c.prompts_per_file - 1)]:
+                # No trailing newline: the model writes it, merged with the next line's indent as BPE merges.
+                text = corpus.lines_from(f.text, start, c.prompt_chars).rstrip("\n")
+                if text.strip():
+                    kind = "sampled" if rng.random() < c.sampled_share else "greedy"
+                    records[kind].append({"input_ids": tok.encode(text).ids})
+        for kind, recs in records.items():
+            _write_jsonl(self.work / f"regen_prompts_{kind}.jsonl", recs)
+        prompts = json.loads((self.work / "prompts.json").read_text())[:c.eval_prompts]
+        _write_jsonl(self.work / "eval_prompts.jsonl", [{"text": p["text"].rstrip("\n")} for p in prompts])
 
     def target(self):
         import jax
@@ -185,96 +203,56 @@ class Build:
         from eagle3_jax.checkpoints.target_export import export_hf
         from eagle3_jax.training import pretrain
 
-        cfg, stream = self.config.target_config(), np.load(self.work / "train_tokens.npy")
-        steps = self.config.pretrain_steps or self.record.get("pretrain_steps") or self._fit_steps(cfg, stream)
-        self.record["pretrain_steps"] = steps
-        self.save()
-        config = self._pretrain_config(steps)
+        c, cfg, stream = self.config, self.config.target_config(), np.load(self.work / "train_tokens.npy")
+        held_out = np.load(self.work / "held_out_tokens.npy")
+        steps = max(math.ceil(c.pretrain_epochs * stream.size / (c.batch_size * c.seq_len)), 2)
+        config = pretrain.PretrainConfig(seq_len=c.seq_len, batch_size=c.batch_size, steps=steps,
+                                         learning_rate=c.learning_rate, warmup_steps=max(steps // 50, 1), seed=c.seed)
         state = pretrain.pretrain(cfg, stream, self.work / "pretrain", config, time_budget_s=max(self.left() - 30, 1),
-                                  log_every=max(steps // 100, 1), checkpoint_every=max(steps // 4, 1))
+                                  log_every=max(steps // 100, 1), checkpoint_every=max(steps // 8, 1),
+                                  held_out=held_out)
         if int(state.step) < steps:
             return False
         params = jax.device_get(state.params)
-        self.record["target_held_out_loss"] = pretrain.evaluate_loss(
-            params, cfg, np.load(self.work / "held_out_tokens.npy"), self.config.seq_len)
+        self.record["pretrain_steps"] = steps
+        self.record["target_held_out_loss"] = round(pretrain.evaluate_loss(params, cfg, held_out, c.seq_len), 4)
         self.record["pretrain_curve"] = _jsonl(self.work / "pretrain" / "metrics.jsonl")
         # bfloat16, as shipped: every later stage runs the weights the demo runs.
         export_hf(self.work / "target", cfg, params, "bfloat16", eos_token_id=self._tok().token_to_id(EOS))
 
-    def _pretrain_config(self, steps: int):
-        from eagle3_jax.training.pretrain import PretrainConfig
-
-        c = self.config
-        return PretrainConfig(seq_len=c.seq_len, batch_size=c.batch_size, steps=steps, learning_rate=c.learning_rate,
-                              warmup_steps=max(steps // 50, 1) if steps > 1 else 0, seed=c.seed)
-
-    def _fit_steps(self, cfg, stream) -> int:
-        """Updates that fit in pretrain_budget_s: the step time measured over 10 updates after two (compiling)."""
-        import jax
-
-        from eagle3_jax.training import pretrain
-
-        config = self._pretrain_config(1000)
-        state = pretrain.init_state(cfg, config)
-        for i in range(12):
-            if i == 2:
-                start = time.perf_counter()
-            state, metrics = pretrain.jit_train_step(state, pretrain.windows_at(stream, config, i), cfg=cfg,
-                                                     config=config)
-            jax.block_until_ready(metrics)
-        seconds = (time.perf_counter() - start) / 10
-        self.record["pretrain_step_ms"] = round(seconds * 1e3, 2)
-        return max(int(self.config.pretrain_budget_s / seconds), 10)
-
     def regenerate(self):
-        from eagle3_jax import cli
-
-        tok, c = self._tok(), self.config
-        rng = random.Random(c.seed)
-        records = {"greedy": [], "sampled": []}
-        for f in self._sources():
-            lines = f.text.splitlines()
-            if f.held_out or not lines:
-                continue
-            starts = [0] + [rng.randrange(len(lines)) for _ in range(c.prompts_per_file - 1)]
-            for start in starts:
-                text = corpus.lines_from(f.text, start, c.prompt_chars).rstrip("\n")
-                if text.strip():
-                    kind = "sampled" if rng.random() < c.sampled_share else "greedy"
-                    records[kind].append({"input_ids": tok.encode(text).ids})
-        for kind, recs in records.items():
-            if not recs:
-                continue
+        c = self.config
+        for kind in ("greedy", "sampled"):
             prompts = self.work / f"regen_prompts_{kind}.jsonl"
-            prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+            if not prompts.read_text().strip():
+                continue
             args = ["regenerate", "--target", str(self.work / "target"), "--data", str(prompts),
                     "--out", str(self.work / f"regen_{kind}.jsonl"), "--max-new-tokens", str(c.regen_max_new_tokens),
                     "--batch-size", str(c.regen_batch_size), "--max-len", str(c.max_position_embeddings),
                     "--dtype", "float32"]
             if kind == "sampled":
                 args += ["--temperature", str(SAMPLED_TEMPERATURE), "--seed", str(c.seed)]
-            if cli.main(args) != 0:
-                raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
-        self.record["regenerated_records"] = {k: len(v) for k, v in records.items()}
+            _cli(args)
+        regenerated = sum(len(_jsonl(p)) for p in self.work.glob("regen_[gs]*.jsonl"))
+        # Plain training text beside the continuations: the target's distribution on real code, too.
+        stream, rng = np.load(self.work / "train_tokens.npy"), np.random.default_rng(c.seed)
+        span = min(256, c.seq_len)
+        offsets = rng.integers(0, stream.size - span, int(c.raw_chunks_per_record * regenerated))
+        _write_jsonl(self.work / "raw_text.jsonl", [{"input_ids": stream[o:o + span].tolist()} for o in offsets])
+        self.record["drafter_data"] = {"regenerated": regenerated, "raw_text_windows": len(offsets)}
 
     def drafter(self):
-        from eagle3_jax import cli
-
         c = self.config
-        eval_file = self.work / "eval_prompts.jsonl"
-        prompts = json.loads((self.work / "prompts.json").read_text())[:c.eval_prompts]
-        eval_file.write_text("".join(json.dumps({"text": p["text"].rstrip("\n")}) + "\n" for p in prompts))
-        data = [str(p) for p in sorted(self.work.glob("regen_*.jsonl")) if "prompts" not in p.name]
         args = ["train", "--target", str(self.work / "target"), "--out", str(self.work / "drafter"),
-                "--eval-data", str(eval_file), "--draft-vocab-size", str(c.draft_vocab_size),
+                "--data", str(self.work / "regen_greedy.jsonl"), "--data", str(self.work / "raw_text.jsonl"),
+                "--eval-data", str(self.work / "eval_prompts.jsonl"), "--draft-vocab-size", str(c.draft_vocab_size),
                 "--max-seq-len", str(c.max_position_embeddings), "--batch-size", str(c.drafter_batch_size),
                 "--learning-rate", str(c.drafter_learning_rate), "--epochs", str(c.drafter_epochs),
                 "--checkpoint-every", "200", "--seed", str(c.seed), "--dtype", "float32",
                 "--compute-dtype", "float32", "--resume"]
-        for d in data:
-            args += ["--data", d]
-        if cli.main(args) != 0:
-            raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
+        if (self.work / "regen_sampled.jsonl").exists():
+            args += ["--data", str(self.work / "regen_sampled.jsonl")]
+        _cli(args)
         self.record["drafter_curve"] = _jsonl(self.work / "drafter" / "metrics.jsonl")
 
     def evaluate(self):
@@ -319,17 +297,31 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def build(work: Path, out: Path, config: BuildConfig, deadline_s: float) -> dict:
-    """Runs every stage not yet done; returns the record. Raises nothing at the deadline: the record's
-    "done" list says how far it got."""
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _cli(args: list[str]) -> None:
+    """Runs `eagle3-jax ARGS` in this process."""
+    from eagle3_jax import cli
+
+    if cli.main(args) != 0:
+        raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
+
+
+STAGES = ("corpus", "tokenizer", "tokens", "target", "regenerate", "drafter", "evaluate", "ship")
+
+
+def build(work: Path, out: Path, config: BuildConfig, deadline_s: float = math.inf, until: str = "ship") -> dict:
+    """Runs every stage not yet done, up to `until`; returns the record. Raises nothing at the deadline: the
+    record's "done" list says how far it got."""
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
     b = Build(work, config, time.perf_counter() + deadline_s)
     try:
-        for name in ("corpus", "tokenizer", "tokens", "target", "regenerate", "drafter", "evaluate"):
-            b.timed(name, getattr(b, name))
-        b.timed("ship", lambda: b.ship(out))
+        for name in STAGES[:STAGES.index(until) + 1]:
+            b.timed(name, (lambda: b.ship(out)) if name == "ship" else getattr(b, name))
     except _Deadline:
         print(f"[build] stopped at the deadline; run again with --work {work} to continue", flush=True)
     return b.record
@@ -340,14 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", required=True, type=Path, help="working folder; rerun with it to continue")
     parser.add_argument("--out", type=Path, default=PAIR, help="where the finished pair goes")
     parser.add_argument("--deadline-s", type=float, default=float("inf"), help="stop cleanly after this long")
-    parser.add_argument("--pretrain-steps", type=int, default=0, help="0: fit to the pre-training time budget")
-    parser.add_argument("--tiny", action="store_true", help="a minute-long trial build on a few files (CPU)")
+    parser.add_argument("--until", choices=STAGES, default="ship",
+                        help="stop after this stage (the corpus stages need no GPU: run them where the corpus is)")
+    parser.add_argument("--tiny", action="store_true", help="a trial build on a few files, in minutes on a CPU")
     args = parser.parse_args(argv)
     config = BuildConfig.tiny() if args.tiny else BuildConfig()
-    if args.pretrain_steps:
-        config = dataclasses.replace(config, pretrain_steps=args.pretrain_steps)
-    record = build(args.work, args.out, config, args.deadline_s)
-    return 0 if "ship" in record.get("done", []) else 3
+    record = build(args.work, args.out, config, args.deadline_s, args.until)
+    return 0 if args.until in record.get("done", []) else 3
 
 
 if __name__ == "__main__":

@@ -149,10 +149,12 @@ def evaluate_loss(params: dict, cfg: Qwen3Config, stream: np.ndarray, seq_len: i
 
 
 def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: PretrainConfig,
-             time_budget_s: float = math.inf, log_every: int = 50, checkpoint_every: int = 500) -> PretrainState:
+             time_budget_s: float = math.inf, log_every: int = 50, checkpoint_every: int = 500,
+             held_out: np.ndarray | None = None) -> PretrainState:
     """Trains from the latest checkpoint in out_dir (or from scratch) until config.steps updates are done or
-    time_budget_s has passed, then checkpoints. metrics.jsonl gets a line every log_every updates. Returns the
-    state; its step says whether the run is complete."""
+    time_budget_s has passed, then checkpoints. metrics.jsonl gets a line every log_every updates, and the
+    loss on the held_out stream (`evaluate_loss`) at every checkpoint. Returns the state; its step says
+    whether the run is complete."""
     import orbax.checkpoint as ocp
 
     out_dir = Path(out_dir)
@@ -184,6 +186,11 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
             out_of_time = time.perf_counter() - start > time_budget_s
             if done % checkpoint_every == 0 or done == config.steps or out_of_time:
                 manager.save(done, args=ocp.args.StandardSave(state))
+                if held_out is not None:
+                    line = {"step": done, "held_out_loss": evaluate_loss(state.params, cfg, held_out, config.seq_len)}
+                    with open(out_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(line) + "\n")
+                    print(json.dumps(line), flush=True)
             if out_of_time:
                 break
     finally:
