@@ -61,11 +61,12 @@ class BuildConfig:
     sampled_share: float = 0.25  # of those prompts, regenerated at SAMPLED_TEMPERATURE rather than greedily
     regen_max_new_tokens: int = 192
     regen_batch_size: int = 512
-    raw_chunks_per_record: float = 1.0  # plain training text (256-token windows) per regenerated record
+    raw_chunks_per_record: float = 1.0  # windows of plain training text per regenerated record
+    drafter_seq_len: int = 256
     draft_vocab_size: int = 4096
     drafter_batch_size: int = 64
     drafter_learning_rate: float = 1e-3
-    drafter_epochs: int = 10
+    drafter_epochs: int = 8
     eval_prompts: int = 32
     eval_max_new_tokens: int = 128
     files_per_split: int = 0  # 0: every file; otherwise a small trial build on this many files per split
@@ -77,7 +78,7 @@ class BuildConfig:
         return cls(vocab_size=384, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
                    intermediate_size=64, max_position_embeddings=256, seq_len=64, batch_size=4, pretrain_epochs=0.5,
                    prompt_chars=80, prompts_per_file=1, regen_max_new_tokens=8, regen_batch_size=8,
-                   draft_vocab_size=128, drafter_batch_size=4, drafter_epochs=1, eval_prompts=2,
+                   draft_vocab_size=128, drafter_seq_len=32, drafter_batch_size=4, drafter_epochs=1, eval_prompts=2,
                    eval_max_new_tokens=8, files_per_split=6)
 
     def target_config(self):
@@ -233,27 +234,38 @@ class Build:
             if kind == "sampled":
                 args += ["--temperature", str(SAMPLED_TEMPERATURE), "--seed", str(c.seed)]
             _cli(args)
-        regenerated = sum(len(_jsonl(p)) for p in self.work.glob("regen_[gs]*.jsonl"))
-        # Plain training text beside the continuations: the target's distribution on real code, too.
-        stream, rng = np.load(self.work / "train_tokens.npy"), np.random.default_rng(c.seed)
-        span = min(256, c.seq_len)
-        offsets = rng.integers(0, stream.size - span, int(c.raw_chunks_per_record * regenerated))
-        _write_jsonl(self.work / "raw_text.jsonl", [{"input_ids": stream[o:o + span].tolist()} for o in offsets])
-        self.record["drafter_data"] = {"regenerated": regenerated, "raw_text_windows": len(offsets)}
+        written = {kind: self.work / f"regen_{kind}.jsonl" for kind in ("greedy", "sampled")}
+        self.record["regenerated_records"] = {k: len(_jsonl(p)) for k, p in written.items() if p.exists()}
 
     def drafter(self):
         c = self.config
+        data = self._drafter_data()
         args = ["train", "--target", str(self.work / "target"), "--out", str(self.work / "drafter"),
-                "--data", str(self.work / "regen_greedy.jsonl"), "--data", str(self.work / "raw_text.jsonl"),
-                "--eval-data", str(self.work / "eval_prompts.jsonl"), "--draft-vocab-size", str(c.draft_vocab_size),
-                "--max-seq-len", str(c.max_position_embeddings), "--batch-size", str(c.drafter_batch_size),
+                "--data", str(data), "--draft-vocab-size", str(c.draft_vocab_size),
+                "--max-seq-len", str(c.drafter_seq_len), "--batch-size", str(c.drafter_batch_size),
                 "--learning-rate", str(c.drafter_learning_rate), "--epochs", str(c.drafter_epochs),
                 "--checkpoint-every", "200", "--seed", str(c.seed), "--dtype", "float32",
                 "--compute-dtype", "float32", "--resume"]
-        if (self.work / "regen_sampled.jsonl").exists():
-            args += ["--data", str(self.work / "regen_sampled.jsonl")]
         _cli(args)
         self.record["drafter_curve"] = _jsonl(self.work / "drafter" / "metrics.jsonl")
+
+    def _drafter_data(self) -> Path:
+        """The regenerated records cut to drafter_seq_len tokens (those of half of it or less left out) and
+        as many windows of plain training text (the target's distribution on real code, too): every sample
+        one length, so the training step compiles once."""
+        c, span = self.config, self.config.drafter_seq_len
+        samples = []
+        for path in sorted(self.work.glob("regen_[gs]*.jsonl")):
+            for r in _jsonl(path):
+                if len(r["input_ids"]) > span // 2:
+                    samples.append({"input_ids": r["input_ids"][:span], "loss_mask": r["loss_mask"][:span]})
+        regenerated = len(samples)
+        stream, rng = np.load(self.work / "train_tokens.npy"), np.random.default_rng(c.seed)
+        offsets = rng.integers(0, stream.size - span, int(c.raw_chunks_per_record * regenerated))
+        samples += [{"input_ids": stream[o:o + span].tolist()} for o in offsets]
+        _write_jsonl(self.work / "drafter_data.jsonl", samples)
+        self.record["drafter_data"] = {"regenerated": regenerated, "raw_text_windows": len(offsets), "tokens": span}
+        return self.work / "drafter_data.jsonl"
 
     def evaluate(self):
         import eagle3_jax

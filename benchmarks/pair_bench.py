@@ -1,0 +1,105 @@
+"""The demo pair on the current device: end-to-end tokens/s of greedy decoding with speculation off and on,
+its tau, and what that tau would buy at Qwen3-8B shapes.
+
+    python -m benchmarks.pair_bench --out DIR [--pair eagle3_jax/demo/pair] [--tiny]
+
+* end to end: Engine.generate on the pair's held-out demo prompts (batch 1: each prompt alone; batch 8: eight
+  together), spec off and at each gamma, after a warm-up request of the same shapes; tokens/s and tau.
+* projection: at Qwen3-8B shapes (random bf16 weights, 1024 cached tokens, batch 1) the spec-off step and the
+  gamma-3 round are timed as the engine runs them (benchmarks/bench.py); the speedup this pair's tau would give
+  there is tau x step / round. --tiny uses bench.py's tiny plan instead (a CPU dry run).
+The pair is tiny (11M parameters): its steps are launch-bound, not bandwidth-bound, so its own speedup says
+little about a large target; the projection is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import eagle3_jax
+from benchmarks import bench
+from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
+from eagle3_jax.demo.build import PAIR
+
+
+def _timed_generate(engine, prompts, max_new, stops) -> tuple[list, float]:
+    engine.generate(prompts, max_new, stops)  # compiles every shape the timed request uses
+    start = time.perf_counter()
+    results = engine.generate(prompts, max_new, stops)
+    return results, time.perf_counter() - start
+
+
+def end_to_end(target, drafter, prompts, gammas, max_new, stops) -> list[dict]:
+    rows = []
+    max_len = max(len(p) for p in prompts) + max_new + max(gammas) + 2
+    for batch in (1, 8):
+        groups = [[p] for p in prompts[:4]] if batch == 1 else [prompts[:8]]
+        for gamma in (0,) + tuple(gammas):
+            engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 3,
+                                       max_len=max_len)
+            tokens, seconds, accepts = 0, 0.0, []
+            for group in groups:
+                results, s = _timed_generate(engine, group, max_new, stops)
+                tokens += sum(len(r.token_ids) for r in results)
+                seconds += s
+                accepts += [a for r in results for a in r.accept_lengths]
+            row = {"batch": batch, "gamma": gamma, "tokens": tokens, "seconds": seconds,
+                   "tokens_per_s": tokens / seconds, "tau": float(np.mean(accepts) + 1) if accepts else None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for row in rows:
+        off = next(r for r in rows if r["batch"] == row["batch"] and r["gamma"] == 0)
+        row["speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
+    return rows
+
+
+def projection(tau: float, tiny: bool, gamma: int = 3) -> dict:
+    """tau x (spec-off step) / (round at gamma), both timed in this process at Qwen3-8B shapes."""
+    plan = bench.tiny_plan() if tiny else bench.qwen3_8b_plan()
+    length = plan.spec_kv_length
+    b = bench.Bench(plan, (bench.kernels_lib.default(plan.target.head_dim),), budget_s=1e9,
+                    dtype=jax.numpy.bfloat16, out=None)
+    kernels = b.kernels[0]
+    step_s = b._spec_off_step(1, length, kernels)[0]
+    round_s = b._time_round(1, gamma, kernels, b.rounds_per_call)[0]
+    out = {"shape": "tiny plan" if tiny else "Qwen3-8B", "kv_len": length, "gamma": gamma, "tau": tau,
+           "step_ms": step_s * 1e3, "round_ms": round_s * 1e3, "projected_speedup": tau * step_s / round_s}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pair_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", type=Path, default=PAIR)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="the projection at bench.py's tiny plan (CPU dry run)")
+    args = parser.parse_args(argv)
+    if 3 not in args.gammas:
+        parser.error("--gammas must include 3: the projection is at gamma 3")
+    target = eagle3_jax.load_target(args.pair / "target", dtype=args.dtype, progress=False)
+    drafter = eagle3_jax.load_drafter(args.pair / "drafter", target, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.pair / "target")
+    texts = [p["text"].rstrip("\n") for p in json.loads((args.pair / "prompts.json").read_text())]
+    prompts = [tokenizer(t)["input_ids"] for t in texts[:8]]
+    results = {"device": jax.devices()[0].device_kind, "versions": bench.versions(), "dtype": args.dtype,
+               "max_new_tokens": args.max_new_tokens}
+    results["end_to_end"] = end_to_end(target, drafter, prompts, args.gammas, args.max_new_tokens,
+                                       eos_stop_ids(tokenizer))
+    tau3 = next(r["tau"] for r in results["end_to_end"] if r["batch"] == 1 and r["gamma"] == 3)
+    results["projection"] = projection(tau3, args.tiny)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pair_bench.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
