@@ -73,13 +73,15 @@ def qwen3_8b_plan() -> ExactPlan:
 
 
 def tiny_plan() -> ExactPlan:
-    """Three layers (the fewest a drafter's default capture layers allow); the agreement run is the one
-    tests/test_exact.py makes, so that in one process the exact engines compile once."""
-    models = measure.model_pair(vocab=256, hidden=64, intermediate=128, layers=3, heads=4, kv_heads=2, head_dim=16,
-                                theta=1e4, draft_vocab=64, max_positions=1024)
+    """One layer (interpret mode compiles slowly), whose input the drafter captures three times; the
+    agreement run is the one tests/test_exact.py makes, so that in one process the exact engines compile
+    once."""
+    target, drafter = measure.model_pair(vocab=256, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2,
+                                         head_dim=16, theta=1e4, draft_vocab=64, max_positions=1024)
+    models = (target, dataclasses.replace(drafter, capture_layers=(0, 0, 0)))
     step = dataclasses.replace(bench.tiny_plan(), target=models[0], drafter=models[1])
     return ExactPlan(step, batches=(3,), verify_batches=(3,), verify_tokens=4, kv_length=16, capacity=64,
-                     matmul_rows=(1, 4), matmul_shapes=("wo", "lm_head"), agreement_models=models,
+                     matmul_rows=(4,), matmul_shapes=("wo", "lm_head"), agreement_models=models,
                      prompt_lengths=(5, 19, 11), new_tokens=40, max_len=64, gamma=3)
 
 
@@ -157,16 +159,25 @@ def spec_off_step(run: Run, tparams, batch: int, exact: bool) -> tuple[float, fl
     return seconds / rounds, compile_s
 
 
+def verify_logits(params, tokens, cache, *, cfg, capture, kernels):
+    """The target's verify step (forward with the drafter's capture layers, then the logits): (cache,
+    (logits, features)). The logits, not their argmax, so that tests/test_exact.py can compare bits."""
+    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
+    return cache, (target_lib.logits(params, hidden, kernels), features)
+
+
+jit_verify = jax.jit(verify_logits, static_argnames=("cfg", "capture", "kernels"), donate_argnames=("cache",))
+
+
 def verify_step(run: Run, tparams, batch: int, exact: bool) -> tuple[float, float]:
-    """(seconds, compile seconds) of one call of the target's verify step (forward with the drafter's
-    capture layers, logits, argmax), as bench.py's verify row times it."""
+    """(seconds, compile seconds) of one call of the target's verify step."""
     plan, cfg = run.plan, run.plan.models.target
     cache = measure.random_cache(cfg.num_layers, batch, cfg.num_kv_heads, plan.capacity, cfg.head_dim,
                                  plan.kv_length, run.dtype, 5)
     tokens = jax.random.randint(jax.random.key(3), (batch, plan.verify_tokens), 0, cfg.vocab_size, jnp.int32)
-    step = measure.jit_step(measure.target_step, 3, cfg=cfg, capture=plan.models.drafter.capture_layers,
-                            kernels=kernels_lib.EXACT if exact else run.kernels)
-    compiled, compile_s = measure.compile_timed(step, tparams, tokens, cache)
+    static = dict(cfg=cfg, capture=plan.models.drafter.capture_layers,
+                  kernels=kernels_lib.EXACT if exact else run.kernels)
+    compiled, compile_s = measure.compile_timed(jit_verify, tparams, tokens, cache, **static)
     seconds, _ = measure.time_chain(compiled, cache, (tparams, tokens), plan.models.reps, plan.models.inner)
     return seconds, compile_s
 

@@ -6,7 +6,6 @@ The current decode attention fails the same kernel check: the check can fail. On
 kernels run in Pallas' interpreter; tests/test_exact_gpu.py runs the same checks on a GPU.
 """
 
-import dataclasses
 import json
 
 import jax
@@ -91,22 +90,25 @@ def test_invariant_attention_rows_do_not_depend_on_T_or_B(dtype):
         assert _rows_that_differ(split_by_length, q, k, v, start) > 0
 
 
-PLAN = bench_exact.tiny_plan()  # 3 layers, head_dim 16, GQA 2; its agreement run is the engine test's
+PLAN = bench_exact.tiny_plan()  # head_dim 16, GQA 2; its agreement run is the engine test's
 
 
 def test_exact_verify_equals_one_token_steps():
-    """bfloat16, batch 3 at lengths 3, 20 and 41 of a cache of 48: the logits and the cache a verify of 6
-    tokens leaves are those of 6 one-token steps, bit for bit."""
-    cfg = dataclasses.replace(PLAN.models.target, num_layers=1)
+    """bfloat16, batch 3 at lengths 3, 20 and 41 of a cache of 64: the logits and the cache a verify of 4
+    tokens leaves are those of 4 one-token steps, bit for bit (the verify compiles as bench_exact's)."""
+    cfg = PLAN.models.target
     params = measure.random_tree(qwen3.abstract_params(cfg, jnp.bfloat16), seed=1)
-    step = jax.jit(lambda p, t, c: (lambda h, c2, _: (qwen3.logits(p, h, "exact"), c2))(
-        *qwen3.forward(p, cfg, t, c, (), "exact")))
-    cache = measure.random_cache(cfg.num_layers, 3, cfg.num_kv_heads, 48, cfg.head_dim, 0, jnp.bfloat16, 5)
+    cache = measure.random_cache(cfg.num_layers, 3, cfg.num_kv_heads, PLAN.capacity, cfg.head_dim, 0, jnp.bfloat16, 5)
     cache = cache.with_lengths(jnp.array([3, 20, 41], jnp.int32))
-    tokens = jax.random.randint(jax.random.key(2), (3, 6), 0, cfg.vocab_size)
-    verify_logits, verify_cache = step(params, tokens, cache)
-    for t in range(6):
-        logits, cache = step(params, tokens[:, t:t + 1], cache)
+    tokens = jax.random.randint(jax.random.key(2), (3, PLAN.verify_tokens), 0, cfg.vocab_size)
+
+    def step(tokens, cache):
+        return bench_exact.jit_verify(params, tokens, cache, cfg=cfg, capture=PLAN.models.drafter.capture_layers,
+                                      kernels="exact")
+
+    verify_cache, (verify_logits, _) = step(tokens, jax.tree.map(jnp.copy, cache))
+    for t in range(PLAN.verify_tokens):
+        cache, (logits, _) = step(tokens[:, t:t + 1], cache)
         np.testing.assert_array_equal(bits(logits[:, 0]), bits(verify_logits[:, t]))
         cache = cache.with_lengths(cache.lengths + 1)
     for mine, theirs in zip(cache.k + cache.v, verify_cache.k + verify_cache.v):
@@ -136,7 +138,7 @@ def test_bench_exact_dry_run(tmp_path):
     assert {(r["batch"], r["exact"]) for r in results["verify"]} == {(3, False), (3, True)}
     assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in results["step"] + results["verify"])
     matmuls = {(r["weight"], r["rows"], r["impl"], json.dumps(r["tuning"])) for r in results["matmul"]}
-    assert matmuls == {(w, n, impl, t) for w in ("wo", "lm_head") for n in (1, 4)
+    assert matmuls == {(w, 4, impl, t) for w in ("wo", "lm_head")
                        for impl, t in (("xla", "null"), ("pallas", "{}"), ("pallas", '{"block_n": 16}'))}
     assert all(r["rel_err"] < 2e-2 for r in results["matmul"] if r["impl"] == "pallas")
     exact_rows = [r for r in results["agreement"] if r["exact"]]
