@@ -220,7 +220,7 @@ def kv_bytes(num_layers, batch, length, kv_heads, head_dim, itemsize) -> int:
 
 def target_step(params, tokens, cache, *, cfg, capture, kernels):
     hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
-    return cache, (jnp.argmax(target_lib.logits(params, hidden), -1), features)
+    return cache, (jnp.argmax(target_lib.logits(params, hidden, kernels), -1), features)
 
 
 def draft_step(params, embed, h, token, cache, *, cfg, kernels):

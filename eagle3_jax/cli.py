@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
-from eagle3_jax.decoding.engine import DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
+from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 
@@ -98,7 +98,8 @@ def _generate(args) -> int:
     settings = sampling["settings"]
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
-                               kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal)
+                               kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
+                               exact=args.exact)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
@@ -190,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kernels", choices=KERNEL_CHOICES,
                      help="hot-op implementation (eagle3_jax/models/kernels.py; default: pallas on a GPU, "
                           "xla elsewhere)")
+    gen.add_argument("--exact", action=argparse.BooleanOptionalAction, default=DEFAULT_EXACT,
+                     help="decode and verify on kernels whose result for a token does not depend on the batch or "
+                          "the tokens verified with it: speculative output bit for bit spec-off output in 16-bit "
+                          "too (see eagle3_jax.Engine; default: %(default)s)")
     gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     gen.add_argument("--compile-cache", default=_default_cache_dir(), metavar="DIR",

@@ -5,7 +5,12 @@ small ops around it (each module's docstring says why it exists and what it meas
   decode_attention(..., *, scale, interpret=False, **DecodeConfig fields)
   prefill_attention(..., *, scale, interpret=False, **PrefillConfig fields)           Triton
   prefill_attention_mgpu(..., *, scale, **MosaicPrefillConfig fields)                Mosaic GPU
+  invariant_attention(..., *, scale, interpret=False, **InvariantConfig fields)       decode/verify, T- and
+                                                                                    B-invariant (Triton)
   add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm
+  skinny_matmul(x, w, *, out_dtype=None, interpret=False, **SkinnyConfig fields)
+                                                                x @ w.T for few rows, row results
+                                                                independent of the row count
   rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
                    interpret=False)                             q/k norm + RoPE + KV-cache write
 
@@ -76,18 +81,25 @@ from pallas_kernels.attention import (
     decode_attention,
     prefill_attention,
 )
+from pallas_kernels.invariant_attention import InvariantConfig, invariant_attention
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 from pallas_kernels.prefill_attention_mgpu import unsupported as mosaic_prefill_unsupported
 from pallas_kernels.rope_cache_write import rope_cache_write
+from pallas_kernels.skinny_matmul import SkinnyConfig, skinny_matmul, skinny_matmul_reference
 
 __all__ = [
     "DecodeConfig",
+    "InvariantConfig",
     "PrefillConfig",
+    "SkinnyConfig",
     "add_rms_norm",
     "attention_reference",
     "decode_attention",
+    "invariant_attention",
     "mosaic_prefill_unsupported",
     "prefill_attention",
     "prefill_attention_mgpu",
     "rope_cache_write",
+    "skinny_matmul",
+    "skinny_matmul_reference",
 ]

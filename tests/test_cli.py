@@ -60,6 +60,10 @@ def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1", "--dtype", "float32",
                  "--kernels", "pallas"]) == 2
     assert "power-of-two head_dims" in capsys.readouterr().err
+    # --exact reaches the Engine, whose exact attention kernel cannot take head_dim 24 either.
+    assert main(["generate", "--target", str(folders / "target"), "--prompt-ids", "1", "--dtype", "float32",
+                 "--exact"]) == 2
+    assert "exact=True needs a power-of-two head_dim >= 16" in capsys.readouterr().err
 
 
 def test_second_run_compiles_nothing(folders, tmp_path):

@@ -37,6 +37,9 @@ PROPOSALS = ("argmax", "sample")
 # Both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM, SGLang and
 # tpu-inference do, and needs no filter over the draft vocabulary per draft step.
 DEFAULT_PROPOSAL = "argmax"
+# Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
+# where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
+DEFAULT_EXACT = False
 # Below this, logits / temperature can overflow float32 (to inf at about 1e-37 times a logit of 10):
 # such a temperature is refused rather than sampled wrongly; 0 is greedy.
 MIN_TEMPERATURE = 1e-5
@@ -93,14 +96,18 @@ class Engine:
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
-                 proposal: str = DEFAULT_PROPOSAL):
+                 proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT):
         """rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
         proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
         probability p(x)) or "sample" (x drawn from the drafter's filtered q, accepted with probability
         min(1, p(x) / q(x))). Both are lossless; which accepts more is the drafter's to show. Greedy rows
-        ignore it."""
+        ignore it.
+        exact: the target's decode and verify steps run kernels whose result for a token does not depend
+        on how many tokens or rows share the step (eagle3_jax/models/kernels.py, EXACT), so greedy
+        speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
+        the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow)."""
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -114,6 +121,11 @@ class Engine:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        if not isinstance(exact, bool):
+            raise ValueError(f"exact must be a bool, got {exact!r}")
+        if exact and not kernels_lib.pallas_attention_supports(cfg.head_dim):
+            raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), "
+                             f"got {cfg.head_dim}")
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
@@ -123,6 +135,7 @@ class Engine:
             gamma=self.num_draft_tokens,
             max_len=max_len,
             kernels=kernels,
+            exact=exact,
         )
         # Without a drafter there is nothing to propose: one sampling build for either choice.
         self._sampling_spec = dataclasses.replace(self._spec, sampling=True,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.eagle3 import DrafterConfig
@@ -54,10 +55,18 @@ class StepSpec:
     kernels: str  # see eagle3_jax/models/kernels.py
     sampling: bool = False  # rows may sample (DecodeState.sampling); False: every row is greedy
     proposal: str = "argmax"  # how sampled rows draft: "argmax" (q one-hot) or "sample" (x ~ q)
+    # The target's decode and verify steps on the EXACT kernels: a token's logits are bit-identical
+    # whether it is verified among gamma + 1 or decoded alone (eagle3_jax/models/kernels.py).
+    exact: bool = False
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return self.drafter.capture_layers if self.drafter else ()
+
+    @property
+    def step_kernels(self) -> str:
+        """The kernels of the target's decode/verify steps (prefill and the drafter run `kernels`)."""
+        return kernels_lib.EXACT if self.exact else self.kernels
 
 
 def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
@@ -192,10 +201,11 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
         hidden, tcache, features = target_lib.forward(
-            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.kernels
+            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.step_kernels
         )
         # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
-        choices, accepted = _verify(state, target_lib.logits(tparams, hidden), drafts, draft_q, keys,
+        logits = target_lib.logits(tparams, hidden, spec.step_kernels)
+        choices, accepted = _verify(state, logits, drafts, draft_q, keys,
                                     spec.max_len - n - 2, dparams, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)

@@ -47,6 +47,8 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Arra
     if not kernels_lib.attention_in_pallas(kernels):
         return xla_attention(q, k_cache, v_cache, start, scale=scale)
     interpret = kernels_lib.interpret()
+    if kernels_lib.exact(kernels):
+        return pallas_kernels.invariant_attention(q, k_cache, v_cache, start, scale=scale, interpret=interpret)
     if q.shape[1] <= _DECODE_KERNEL_MAX_TOKENS:
         return pallas_kernels.decode_attention(q, k_cache, v_cache, start, scale=scale, interpret=interpret)
     if uses_mosaic_prefill(q, k_cache, v_cache, on_hopper=kernels_lib.hopper()):

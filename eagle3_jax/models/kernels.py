@@ -7,6 +7,14 @@
 
 The model functions also take ABLATION, Pallas attention with XLA's small ops, which the benchmark uses
 to measure what the fused kernels bring; Engine and the CLI offer only CHOICES.
+They also take EXACT, which `Engine(exact=True)` gives the target's decode and verify steps (prefill and
+the drafter keep the engine's choice): every op's result for a token is bit-identical whether the token is
+computed alone (decode, T = 1) or among T tokens (verify), at any batch size. The matmuls, lm_head
+included, take pallas_kernels.skinny_matmul (fixed row tiles and K order), attention takes
+pallas_kernels.invariant_attention (key runs set by the query's own position), and the residual add +
+RMSNorm and q/k norm + RoPE + cache write take the fused Pallas kernels, which compute each token in
+programs of their own. What stays in XLA is elementwise (SiLU product, RoPE tables) or exact (the
+embedding gather, argmax). Few rows only: a skinny matmul unrolls one dot per 16 rows.
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
 """
 
@@ -16,6 +24,7 @@ import jax
 
 CHOICES = ("xla", "pallas")
 ABLATION = "pallas_attention"
+EXACT = "exact"
 
 
 def check(kernels: str, *head_dims: int) -> str:
@@ -39,16 +48,20 @@ def pallas_attention_supports(head_dim: int) -> bool:
 
 
 def attention_in_pallas(kernels: str) -> bool:
-    return _known(kernels) in ("pallas", ABLATION)
+    return _known(kernels) in ("pallas", ABLATION, EXACT)
 
 
 def fused_in_pallas(kernels: str) -> bool:
-    return _known(kernels) == "pallas"
+    return _known(kernels) in ("pallas", EXACT)
+
+
+def exact(kernels: str) -> bool:
+    return _known(kernels) == EXACT
 
 
 def _known(kernels: str) -> str:
-    if kernels not in CHOICES + (ABLATION,):
-        raise ValueError(f"kernels must be one of {CHOICES + (ABLATION,)}, got {kernels!r}")
+    if kernels not in CHOICES + (ABLATION, EXACT):
+        raise ValueError(f"kernels must be one of {CHOICES + (ABLATION, EXACT)}, got {kernels!r}")
     return kernels
 
 

@@ -47,8 +47,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
     """x [..., in] times a weight stored as transformers stores it, [out, in].
+
+    With the EXACT kernels, pallas_kernels.skinny_matmul: each row's result is the same whatever the
+    number of rows (eagle3_jax/models/kernels.py).
 
     On CUDA GPUs a matmul with one row (batch 1, one token) and a weight at least as tall as it is wide
     is a row reduction over the weight, which XLA emits as one kernel streaming the weight once, where
@@ -57,6 +60,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     hence the shape test; far slower from 4 rows on (each row re-reads the weight), hence one row.
     Elsewhere XLA's dot: on the CPU the reduction form is many times slower (100x for 4096 x 4096 in f32).
     """
+    if kernels_lib.exact(kernels):
+        return pallas_kernels.skinny_matmul(x, w, interpret=kernels_lib.interpret())
     if math.prod(x.shape[:-1]) == 1 and w.shape[0] >= w.shape[1]:
         return jax.lax.platform_dependent(x, w, cuda=matvec_by_rows, default=_matmul)
     return _matmul(x, w)
@@ -73,7 +78,7 @@ def matvec_by_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     return products.sum(axis=-1).astype(jnp.result_type(x, w))
 
 
-def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, kernels: str = "xla") -> jax.Array:
     """SiLU-gated MLP with gate and up fused into one [2I, D] weight (one read of x, one matmul)."""
-    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, w_down)
+    gate, up = jnp.split(linear(x, w_gate_up, kernels), 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, w_down, kernels)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
@@ -56,11 +58,11 @@ def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, k
     """Self-attention of the normed residual stream; returns its output projection and the caches."""
     B, T, _ = normed.shape
     q, k_buf, v_buf = rotate_and_cache(
-        linear(normed, layer["wqkv"]), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
+        linear(normed, layer["wqkv"], kernels), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
         q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=cfg.rms_norm_eps, kernels=kernels,
     )
     out = attend(q, k_buf, v_buf, start, kernels)
-    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"]), k_buf, v_buf
+    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels), k_buf, v_buf
 
 
 def forward(
@@ -94,7 +96,7 @@ def forward(
                 layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
-            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
+            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
@@ -102,7 +104,10 @@ def forward(
     return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V] (the lm_head, or the embedding when tied)."""
+def logits(params: Params, hidden: jax.Array, kernels: str = "xla") -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V] (the lm_head, or the embedding when tied); with the EXACT
+    kernels a row's logits do not depend on the number of rows either (eagle3_jax/models/kernels.py)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"]
+    if kernels_lib.exact(kernels):
+        return pallas_kernels.skinny_matmul(hidden, w, out_dtype=jnp.float32, interpret=kernels_lib.interpret())
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,308 @@
+"""`python -m benchmarks.bench_exact`: what `Engine(exact=True)` costs on the GPU, at Qwen3-8B shapes.
+
+Sections (`--sections` picks; no new row starts after `--budget-s`; the step's rows at batch 1 and 8 and
+the verify at batch 1 run first, then the matmul table, then the other step rows, then agreement):
+  step       the engine's spec-off step (one target token, argmax, commit; rounds_per_call rounds to a
+             call, reported per round) at batch 1, 8 and 32, and the verify of 4 tokens (one call each) at
+             batch 1 and 8, at KV length 1024: the exact kernels against today's default ("pallas"), each
+             against its floor (the weights and live KV it must read, over the copy rate measured here),
+             as bench.py's tables (a) and (b) count it
+  matmul     pallas_kernels.skinny_matmul against XLA's current choice (layers.linear: a row reduction for
+             one row, a GEMM for more; the lm_head's einsum with float32 logits) at Qwen3-8B's five weight
+             shapes and 1, 4, 8, 16, 32, 64 rows: wall time per call in a jit of back-to-back calls, each
+             on its own copy of the weight (at least 256 MB in all, so no call is served from L2), against
+             the weight's floor; --tunings adds Pallas rows for other SkinnyConfig fields
+  agreement  greedy output of a Qwen3-1.7B-shaped target in bf16 (random weights, 8 prompts of 16-500
+             tokens, 128 new tokens each): speculative (gamma 3) against spec-off, with and without exact
+On a CPU (or with --tiny) it runs at tiny shapes, the Pallas kernels in interpret mode: a smoke test.
+Rows go to $OUT/bench_exact.json (--out) after each measurement; a summary is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from benchmarks import bench, measure
+from eagle3_jax.checkpoints.drafter import Drafter
+from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import spec_round
+from eagle3_jax.models import eagle3 as drafter_lib
+from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.models import layers
+from eagle3_jax.models import qwen3 as target_lib
+
+SECTIONS = ("step", "matmul", "agreement")
+L2_BYTES = 256 << 20  # weight copies per timed jit: several times the H200's 50 MB L2
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactPlan:
+    models: bench.Plan  # the step's target, the copy size, reps and inner calls per sample
+    batches: tuple[int, ...]  # spec-off step
+    verify_batches: tuple[int, ...]
+    verify_tokens: int
+    kv_length: int
+    capacity: int
+    matmul_rows: tuple[int, ...]
+    matmul_shapes: tuple[str, ...]  # which of the target's weights
+    agreement_models: tuple  # (Qwen3Config, DrafterConfig)
+    prompt_lengths: tuple[int, ...]
+    new_tokens: int
+    max_len: int
+    gamma: int
+
+
+def qwen3_8b_plan() -> ExactPlan:
+    agreement = measure.model_pair(vocab=151936, hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8,
+                                   head_dim=128, theta=1e6, draft_vocab=32000, tied=True)
+    return ExactPlan(bench.qwen3_8b_plan(), batches=(1, 8, 32), verify_batches=(1, 8), verify_tokens=4,
+                     kv_length=1024, capacity=1088, matmul_rows=(1, 4, 8, 16, 32, 64),
+                     matmul_shapes=("wqkv", "wo", "w_gate_up", "w_down", "lm_head"), agreement_models=agreement,
+                     prompt_lengths=(16, 200, 37, 500, 64, 90, 128, 300), new_tokens=128, max_len=1024, gamma=3)
+
+
+def tiny_plan() -> ExactPlan:
+    """One layer (interpret mode compiles slowly), whose input the drafter captures three times; the
+    agreement run is the one tests/test_exact.py makes, so that in one process the exact engines compile
+    once."""
+    target, drafter = measure.model_pair(vocab=256, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2,
+                                         head_dim=16, theta=1e4, draft_vocab=64, max_positions=1024)
+    models = (target, dataclasses.replace(drafter, capture_layers=(0, 0, 0)))
+    step = dataclasses.replace(bench.tiny_plan(), target=models[0], drafter=models[1])
+    return ExactPlan(step, batches=(3,), verify_batches=(3,), verify_tokens=4, kv_length=16, capacity=64,
+                     matmul_rows=(4,), matmul_shapes=("wo", "lm_head"), agreement_models=models,
+                     prompt_lengths=(5, 19, 11), new_tokens=40, max_len=64, gamma=3)
+
+
+def random_models(models: tuple, dtype, seed: int = 1) -> tuple[Target, Drafter]:
+    """A target and a drafter with random weights (measure.random_tree) for (Qwen3Config, DrafterConfig)."""
+    cfg, dcfg = models
+    target = Target(cfg, measure.random_tree(target_lib.abstract_params(cfg, dtype), seed=seed), None)
+    drafter = Drafter(dcfg, measure.random_tree(drafter_lib.abstract_params(dcfg, dtype), seed=seed + 1), None)
+    return target, drafter
+
+
+def prompts_for(plan: ExactPlan) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, plan.agreement_models[0].vocab_size, n).tolist() for n in plan.prompt_lengths]
+
+
+class Run:
+    """Results, the time budget and the copy rate of one run."""
+
+    def __init__(self, plan: ExactPlan, dtype, kernels: str, budget_s: float, out: Path | None):
+        self.plan, self.dtype, self.kernels, self.out = plan, dtype, kernels, out
+        self.deadline = time.perf_counter() + budget_s
+        self.results: dict = {"skipped": [], "versions": bench.versions(), "kernels": kernels}
+        self.bw = measure.measure_copy_bandwidth(plan.models.copy_bytes)["copy_tbps"]
+        self.results["copy_tbps"] = self.bw
+
+    def time_left(self, label: str) -> bool:
+        if time.perf_counter() < self.deadline:
+            return True
+        self.results["skipped"].append(label)
+        return False
+
+    def add(self, section: str, entry: dict, seconds: float | None = None, read: int | None = None) -> None:
+        if seconds is not None:
+            floor = read / (self.bw * 1e12)
+            entry.update(time_ms=seconds * 1e3, floor_ms=floor * 1e3, ratio=seconds / floor)
+        self.results.setdefault(section, []).append(entry)
+        print(f"{section:9s} {json.dumps(entry, default=str)}", flush=True)
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "bench_exact.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def step_section(run: Run, tparams, batches: tuple[int, ...], verify_batches: tuple[int, ...]) -> None:
+    plan, cfg = run.plan, run.plan.models.target
+    kv = lambda batch, length: measure.kv_bytes(cfg.num_layers, batch, length, cfg.num_kv_heads,  # noqa: E731
+                                                cfg.head_dim, jnp.dtype(run.dtype).itemsize)
+    weights = measure.target_weight_bytes(tparams)
+    for batch in batches:
+        for exact in (False, True):
+            if run.time_left(f"step b{batch} exact={exact}"):
+                seconds, compile_s = spec_off_step(run, tparams, batch, exact)
+                run.add("step", {"batch": batch, "kv_len": plan.kv_length, "exact": exact, "compile_s": compile_s},
+                        seconds, weights + kv(batch, plan.kv_length))
+    for batch in verify_batches:
+        for exact in (False, True):
+            if run.time_left(f"verify b{batch} exact={exact}"):
+                seconds, compile_s = verify_step(run, tparams, batch, exact)
+                run.add("verify", {"batch": batch, "kv_len": plan.kv_length, "tokens": plan.verify_tokens,
+                                   "exact": exact, "compile_s": compile_s},
+                        seconds, weights + kv(batch, plan.kv_length + plan.verify_tokens))
+
+
+def spec_off_step(run: Run, tparams, batch: int, exact: bool) -> tuple[float, float]:
+    """(seconds per round, compile seconds) of the engine's call of spec-off rounds, as bench.py times it."""
+    plan = run.plan
+    spec = spec_round.StepSpec(target=plan.models.target, drafter=None, gamma=0, max_len=plan.capacity,
+                               kernels=run.kernels, exact=exact)
+    state = bench.decode_state(plan.models, batch, plan.kv_length, plan.capacity, run.dtype, with_drafter=False)
+    rounds = engine_lib.ROUNDS_PER_CALL
+    compiled, compile_s = measure.compile_timed(engine_lib.jit_rounds, tparams, None, state, spec=spec,
+                                                num_rounds=rounds)
+    seconds, _ = measure.time_chain(lambda s: compiled(tparams, None, s), state, (), plan.models.reps,
+                                    plan.models.inner)
+    return seconds / rounds, compile_s
+
+
+def verify_logits(params, tokens, cache, *, cfg, capture, kernels):
+    """The target's verify step (forward with the drafter's capture layers, then the logits): (cache,
+    (logits, features)). The logits, not their argmax, so that tests/test_exact.py can compare bits."""
+    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
+    return cache, (target_lib.logits(params, hidden, kernels), features)
+
+
+jit_verify = jax.jit(verify_logits, static_argnames=("cfg", "capture", "kernels"), donate_argnames=("cache",))
+
+
+def verify_step(run: Run, tparams, batch: int, exact: bool) -> tuple[float, float]:
+    """(seconds, compile seconds) of one call of the target's verify step."""
+    plan, cfg = run.plan, run.plan.models.target
+    cache = measure.random_cache(cfg.num_layers, batch, cfg.num_kv_heads, plan.capacity, cfg.head_dim,
+                                 plan.kv_length, run.dtype, 5)
+    tokens = jax.random.randint(jax.random.key(3), (batch, plan.verify_tokens), 0, cfg.vocab_size, jnp.int32)
+    static = dict(cfg=cfg, capture=plan.models.drafter.capture_layers,
+                  kernels=kernels_lib.EXACT if exact else run.kernels)
+    compiled, compile_s = measure.compile_timed(jit_verify, tparams, tokens, cache, **static)
+    seconds, _ = measure.time_chain(compiled, cache, (tparams, tokens), plan.models.reps, plan.models.inner)
+    return seconds, compile_s
+
+
+def matmul_section(run: Run, tparams, tunings: list[dict]) -> None:
+    """Each weight shape at each row count: XLA's current choice, the Pallas kernel at its default tuning,
+    then at each of `tunings`. Pallas rows carry their error against the float32 reference."""
+    for name in run.plan.matmul_shapes:
+        w = tparams[name] if name == "lm_head" else tparams["layers"][0][name]
+        copies = max(1, min(16, math.ceil(L2_BYTES / (w.size * w.dtype.itemsize)))) if not _dry() else 1
+        weights = [w] + [measure.normal(jax.random.key(50 + i), w.shape, w.dtype) for i in range(copies - 1)]
+        for rows in run.plan.matmul_rows:
+            x = measure.normal(jax.random.key(rows), (rows, w.shape[1]), w.dtype)
+            for impl, tuning in [("xla", None), ("pallas", {})] + [("pallas", t) for t in tunings]:
+                if not run.time_left(f"matmul {name} rows={rows} {impl} {tuning}"):
+                    continue
+                fn = jax.jit(lambda x, ws, impl=impl, tuning=tuning, name=name: [
+                    _matmul(x, w, name, impl, tuning) for w in ws])
+                compiled, compile_s = measure.compile_timed(fn, x, weights)
+                seconds = _time_pure(compiled, (x, weights), run.plan.models) / copies
+                entry = {"weight": name, "shape": list(w.shape), "rows": rows, "impl": impl, "tuning": tuning,
+                         "compile_s": compile_s}
+                if impl == "pallas":
+                    got = compiled(x, weights)[0]
+                    want = pallas_kernels.skinny_matmul_reference(x, w, out_dtype=got.dtype)
+                    entry["rel_err"] = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
+                                             / jnp.abs(want.astype(jnp.float32)).max())
+                run.add("matmul", entry, seconds, w.size * w.dtype.itemsize)
+        del weights
+
+
+def _matmul(x, w, name: str, impl: str, tuning: dict | None):
+    """One weight's product as the step computes it: with `impl` "xla", today's op (layers.linear, or the
+    lm_head's einsum); with "pallas", the skinny kernel the exact steps run, at the given tuning."""
+    out_dtype = jnp.float32 if name == "lm_head" else None
+    if impl == "xla":
+        return target_lib.logits({"lm_head": w}, x) if name == "lm_head" else layers.linear(x, w)
+    return pallas_kernels.skinny_matmul(x, w, out_dtype=out_dtype, interpret=kernels_lib.interpret(), **tuning)
+
+
+def _time_pure(compiled, args, models: bench.Plan) -> float:
+    """Median seconds per call of a stateless compiled function."""
+    jax.block_until_ready(compiled(*args))
+    samples = []
+    for _ in range(models.reps):
+        start = time.perf_counter()
+        for _ in range(models.inner):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / models.inner)
+    return float(np.median(samples))
+
+
+def agreement_section(run: Run) -> None:
+    """Speculative against spec-off greedy output, without and with exact: per prompt, identical or the
+    first token where they differ."""
+    plan = run.plan
+    target, drafter = random_models(plan.agreement_models, run.dtype)
+    prompts = prompts_for(plan)
+    for exact in (False, True):
+        if not run.time_left(f"agreement exact={exact}"):
+            continue
+        outs = [[r.token_ids for r in engine_lib.Engine(target, d, num_draft_tokens=plan.gamma, max_len=plan.max_len,
+                                                         kernels=run.kernels, exact=exact)
+                 .generate(prompts, plan.new_tokens)] for d in (None, drafter)]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(*outs)]
+        run.add("agreement", {"exact": exact, "gamma": plan.gamma, "prompts": len(prompts),
+                              "tokens": plan.new_tokens, "identical": sum(f is None for f in first),
+                              "first_differences": first})
+
+
+def summary(results: dict) -> str:
+    lines = [f"{results['versions']['device']}, jax {results['versions']['jax']}, copy {results['copy_tbps']:.2f} "
+             f"TB/s, today's kernels: {results['kernels']}"]
+    for section in ("step", "verify"):
+        for r in results.get(section, []):
+            lines.append(f"{section:6s} b{r['batch']:<3d} kv {r['kv_len']} exact={r['exact']!s:5s} "
+                         f"{r['time_ms']:8.3f} ms  floor {r['floor_ms']:.3f}  x floor {r['ratio']:.3f}")
+    for r in results.get("matmul", []):
+        tuning = f" {r['tuning']}" if r["tuning"] else ""
+        lines.append(f"matmul {r['weight']:9s} rows {r['rows']:3d} {r['impl']:6s}{tuning} {r['time_ms'] * 1e3:9.1f} us "
+                     f" x floor {r['ratio']:.3f}")
+    for r in results.get("agreement", []):
+        lines.append(f"agreement exact={r['exact']}: {r['identical']}/{r['prompts']} prompts identical, "
+                     f"first differences {r['first_differences']}")
+    if results["skipped"]:
+        lines.append(f"skipped for time: {', '.join(results['skipped'])}")
+    return "\n".join(lines)
+
+
+def _dry() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_exact", description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (default off the GPU)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--tunings", type=json.loads, default=[],
+                        help='JSON list of SkinnyConfig fields for extra Pallas matmul rows, e.g. [{"block_n": 64}]')
+    parser.add_argument("--budget-s", type=float, default=270.0, help="no new row starts after this")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench_exact.json")
+    args = parser.parse_args(argv)
+    tiny = args.tiny or _dry()
+    plan = tiny_plan() if tiny else qwen3_8b_plan()
+    # bf16 as served; on the CPU too, since the exact kernels run there in the interpreter.
+    dtype = jnp.bfloat16
+    head_dims = (plan.models.target.head_dim,)
+    run = Run(plan, dtype, kernels_lib.default(*head_dims), args.budget_s, Path(args.out))
+    if "step" in args.sections or "matmul" in args.sections:
+        tparams = measure.random_tree(target_lib.abstract_params(plan.models.target, dtype), seed=1)
+        # The headline rows first (the default's 3% test is at batch 1 and 8), so a short budget keeps them.
+        if "step" in args.sections:
+            step_section(run, tparams, plan.batches[:2], plan.verify_batches[:1])
+        if "matmul" in args.sections:
+            matmul_section(run, tparams, args.tunings)
+        if "step" in args.sections:
+            step_section(run, tparams, plan.batches[2:], plan.verify_batches[1:])
+        del tparams
+    if "agreement" in args.sections:
+        agreement_section(run)
+    print(summary(run.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
