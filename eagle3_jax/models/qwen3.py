@@ -1,10 +1,12 @@
-"""The Qwen3 target as pure functions over a parameter pytree.
+"""The Qwen3 target (dense or Qwen3-MoE) as pure functions over a parameter pytree.
 
 Parameters (weights in transformers' [out, in] orientation; one array per layer, never a stacked
 array sliced per layer, which costs copies on the GPU):
     embed [V, D], final_norm [D], lm_head [V, D] (absent when tied to embed),
     layers: tuple of {attn_norm [D], wqkv [(N + 2K) H, D], q_norm [H], k_norm [H], wo [D, N H],
                       mlp_norm [D], w_gate_up [2 I, D], w_down [D, I]}
+    A Qwen3-MoE target's sparse layers (cfg.is_sparse) hold instead router [E, D],
+    w_gate_up [E, 2 Ie, D] and w_down [E, D, Ie] (Ie = moe_intermediate_size; models/moe.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models import kv_cache
+from eagle3_jax.models import kv_cache, moe
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
@@ -34,10 +36,14 @@ def abstract_params(cfg: Qwen3Config, dtype) -> dict:
         "w_gate_up": (2 * I, D),
         "w_down": (D, I),
     }
+    sparse = dict(layer)
+    if cfg.moe is not None:
+        E, Ie = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+        sparse.update(router=(E, D), w_gate_up=(E, 2 * Ie, D), w_down=(E, D, Ie))
     shapes = {
         "embed": (cfg.vocab_size, D),
         "final_norm": (D,),
-        "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
+        "layers": tuple(dict(sparse if cfg.is_sparse(i) else layer) for i in range(cfg.num_layers)),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, D)
@@ -94,7 +100,10 @@ def forward(
                 layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
-            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
+            if cfg.is_sparse(i):
+                delta = moe.moe_mlp(normed, layer, cfg.moe)
+            else:
+                delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
