@@ -192,3 +192,17 @@ def test_bad_moe_checkpoints_raise_checkpoint_error(folders, tmp_path, index, mo
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("device work before the checks"))
     with pytest.raises(CheckpointError, match=message):
         eagle3_jax.load_target(folder, progress=False)
+
+
+def test_expert_ids_are_transformers_routing(case):
+    """The routing a step reports (the benchmark's floors count its distinct experts) is transformers'."""
+    name, model, _, tgt = case
+    prompt = PROMPTS[0]
+    cache = target_lib.new_cache(tgt.config, 1, 8, jnp.float32)
+    ours = jax.jit(target_lib.expert_ids, static_argnums=1)(tgt.params, tgt.config, jnp.asarray([prompt]), cache)
+    with torch.no_grad():
+        router_logits = model(torch.tensor([prompt]), output_router_logits=True).router_logits
+    k = tgt.config.moe.num_experts_per_tok
+    assert len(ours) == len(router_logits) == sum(map(tgt.config.is_sparse, range(tgt.config.num_layers)))
+    for ids, ref in zip(ours, router_logits):
+        np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(ref.topk(k, -1).indices.numpy(), -1))

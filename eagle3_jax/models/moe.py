@@ -80,9 +80,9 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
     return jnp.zeros_like(x).at[token].add(y)
 
 
-def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto") -> jax.Array:
-    """The sparse MLP of x [B, T, D] -> [B, T, D]; path "auto" chooses by the static token count B T,
-    "gathered" or "grouped" forces one (benchmarks, tests)."""
+def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The sparse MLP of x [B, T, D] -> ([B, T, D], the expert ids [B T, k] it routed to); path "auto"
+    chooses by the static token count B T, "gathered" or "grouped" forces one (benchmarks, tests)."""
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
     weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -90,7 +90,7 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto") -> ja
         path = "gathered" if B * T <= GATHER_MAX_TOKENS else "grouped"
     run = {"gathered": experts_gathered, "grouped": experts_grouped}[path]
     with jax.named_scope(f"moe_{path}"):
-        return run(flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D)
+        return run(flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
 
 
 def moe_reference(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,

@@ -83,12 +83,25 @@ def forward(
     the caller commits by setting lengths, features [B, T, len(capture_layers) * D] or None).
     The features are the residual stream entering each capture layer, concatenated in order.
     """
+    hidden, cache, features, _ = _run(params, cfg, tokens, cache, capture_layers, kernels)
+    return hidden, cache, features
+
+
+def expert_ids(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: kv_cache.KVCache,
+               kernels: str = "xla") -> tuple[jax.Array, ...]:
+    """The experts each token of tokens [B, T] is routed to, per sparse layer in order: [B T, k] int32
+    each. What a step of these tokens reads, for the benchmark's floors."""
+    return _run(params, cfg, tokens, cache, (), kernels)[3]
+
+
+def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels):
+    """forward, plus the sparse layers' routing (XLA drops it where the caller does not use it)."""
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params["embed"][tokens]
     cos, sin = rope_tables(positions, cfg.rope, x.dtype)
     eps = cfg.rms_norm_eps
-    captured, new_k, new_v = {}, [], []
+    captured, new_k, new_v, routing = {}, [], [], []
     delta = None  # what the previous block adds to the residual stream x
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
@@ -101,14 +114,15 @@ def forward(
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
             if cfg.is_sparse(i):
-                delta = moe.moe_mlp(normed, layer, cfg.moe)
+                delta, ids = moe.moe_mlp(normed, layer, cfg.moe)
+                routing.append(ids)
             else:
                 delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"])
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
     features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
-    return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features
+    return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features, tuple(routing)
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
