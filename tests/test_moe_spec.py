@@ -14,7 +14,7 @@ import drafter_oracle as oracle
 import spec_worlds as worlds
 from hf_models import build_moe_model, save_moe_model
 
-LAYERS, V, MAX_LEN = 8, worlds.V, 40
+LAYERS, V, MAX_LEN = 7, worlds.V, 40
 AUX_IDS = [1, LAYERS // 2 - 1, LAYERS - 4]  # SpecBundle's [1, 23, 44] for 48 layers
 # SpecBundle's 30B-A3B drafter at tiny scale: the target's width, GQA 8 (its 32 / 4 heads), a draft
 # vocabulary smaller than the target's.

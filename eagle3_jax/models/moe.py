@@ -65,17 +65,24 @@ _RAGGED = jax.lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
+def ragged_dot_out_in(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [m, in] (rows grouped) times rhs [g, out, in] (weights as transformers stores them) -> [m, out]."""
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED)
+
+
 def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
-                    w_down: jax.Array) -> jax.Array:
-    """x [M, D], routing [M, k] -> [M, D] by grouped GEMMs over the (token, choice) pairs sorted by expert."""
+                    w_down: jax.Array, ragged_dot=ragged_dot_out_in) -> jax.Array:
+    """x [M, D], routing [M, k] -> [M, D] by grouped GEMMs over the (token, choice) pairs sorted by expert.
+    ragged_dot(lhs, w, group_sizes) multiplies by the expert weights in whatever layout they are given
+    (the benchmark times other grouped GEMMs on [E, in, out] copies through it)."""
     M, k = ids.shape
     E = w_gate_up.shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # [M k]: pairs grouped by expert, in expert order
     token = order // k
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    h = _swiglu(jax.lax.ragged_dot_general(x[token], w_gate_up, sizes, _RAGGED))  # [M k, I]
-    y = jax.lax.ragged_dot_general(h, w_down, sizes, _RAGGED)  # [M k, D]
+    h = _swiglu(ragged_dot(x[token], w_gate_up, sizes))  # [M k, I]
+    y = ragged_dot(h, w_down, sizes)  # [M k, D]
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(y)
 
