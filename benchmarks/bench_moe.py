@@ -6,19 +6,20 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
 
 * routing: how many distinct experts a step of B rows x T tokens reads per layer, from the target's own
   routing (`qwen3.expert_ids`) of random tokens through its random routers.
-* experts: the MoE layers alone (FFN_LAYERS of them, as issue 20's probe), every expert path at 1 to 32
-  tokens, on random routing and on synthetic local routing (`--routing` says which the summary leads
-  with; both are measured). Floor: the distinct experts' bytes and the routers' over the copy rate.
 * decode (batch 1 and 8), verify of 2, 3, 4 tokens, and rounds at gamma 1, 2, 3: the whole target with
   random routers. Floor: attention and dense weights, lm_head, the distinct routed experts' bytes (from
   the routing section), KV; over the copy rate measured in the same run.
 * projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
   an i.i.d. acceptance model fitted to it; the best gamma per batch.
+* experts: the MoE layers alone (the plan's first ffn_layers of them, as issue 20's probe), every expert
+  path at 1 to 32 tokens, on random routing and on synthetic local routing (`--routing` says which is
+  timed first; both are measured). Floor: the distinct experts' bytes and the routers' over the copy rate.
 On the CPU it runs the same code at tiny shapes (a smoke test).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -67,7 +68,7 @@ def qwen3_30b_a3b_plan() -> MoePlan:
                             top_k=8, moe_intermediate=768, draft_intermediate=12288, draft_vocab=32000)
     base = bench.Plan(target, drafter, batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8), spec_kv_length=1024,
                       gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    return MoePlan(base, ffn_layers=16, ffn_tokens=(1, 2, 3, 4, 8, 32))
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 3, 4, 8, 32))
 
 
 def tiny_moe_plan() -> MoePlan:
@@ -148,6 +149,22 @@ def _lax_in_out(lhs, w, sizes):
     return jax.lax.ragged_dot(lhs, w, sizes)
 
 
+# lax.ragged_dot's own Pallas (Triton) lowering on the GPU, off by default in JAX: XLA's ragged dot measured
+# near the cost of reading every expert at one token (issue 20's probe: 15.9 ms against a 13.8 ms
+# all-experts floor), so this is timed as the alternative.
+PALLAS_LOWERING_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+
+
+@contextlib.contextmanager
+def _config(name: str, value):
+    previous = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, previous)
+
+
 class MoeBench(bench.Bench):
     """bench.Bench whose floors count only the routed experts a step reads."""
 
@@ -191,6 +208,8 @@ class MoeBench(bench.Bench):
         paths = {"gathered": moe.experts_gathered, "grouped": moe.experts_grouped}
         extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out),
                  **_tokamax_paths()}
+        if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
+            extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
         # [E, in, out] copies for the paths that need that layout (tokamax's kernels, lax.ragged_dot's default)
         swapped = [{k: jnp.swapaxes(layer[k], 1, 2) for k in ("w_gate_up", "w_down")} for layer in layers]
         itemsize, E, k = jnp.dtype(self.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
@@ -203,9 +222,12 @@ class MoeBench(bench.Bench):
                 if not self.time_left(f"experts t{tokens} {name}"):
                     return
                 stack = swapped if name in extra else layers
+                flag = name.endswith("_pallas_lowering")
                 try:
                     step = measure.jit_step(_ffn_stack, 4, path=path)
-                    compiled, compile_s = measure.compile_timed(step, stack, jnp.asarray(ids[routings[0]]), weights, x)
+                    with _config(PALLAS_LOWERING_FLAG, True) if flag else contextlib.nullcontext():
+                        compiled, compile_s = measure.compile_timed(step, stack, jnp.asarray(ids[routings[0]]), weights,
+                                                                    x)
                 except Exception as e:  # a library kernel refusing a shape or a layout: recorded, not fatal
                     entry = {"tokens": tokens, "path": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     self.results.setdefault("experts", []).append(entry)
@@ -245,7 +267,6 @@ class MoeBench(bench.Bench):
         self.results["routing_used"] = {"steps": "random routers", "experts_section_first": routing}
         self.ceilings()
         self.routing()
-        self.experts((routing,) + tuple(r for r in ROUTINGS if r != routing))
         for batch in plan.batches:
             if self.time_left(f"decode b{batch}"):
                 self.decode(batch, plan.kv_lengths[0], kernels)
@@ -253,6 +274,7 @@ class MoeBench(bench.Bench):
             for gamma in plan.gammas:
                 self._spec_set(batch, gamma, kernels)
         self.projection()
+        self.experts((routing,) + tuple(r for r in ROUTINGS if r != routing))
         return self.results
 
 

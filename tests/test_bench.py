@@ -143,3 +143,8 @@ def test_synthetic_routing_and_the_tau_model():
     uniform = bench_moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
     assert bench_moe.distinct_per_layer(local).mean() < bench_moe.distinct_per_layer(uniform).mean()
     assert abs(bench_moe.tau_model(3) - 2.5) < 1e-9 and 1 < bench_moe.tau_model(1) < bench_moe.tau_model(2) < 2.5
+    import jax
+
+    with bench_moe._config(bench_moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
+        assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is True
+    assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is False

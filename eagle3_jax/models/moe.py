@@ -9,7 +9,10 @@ step, and never computing all E experts:
     and every token is run through each of them; the combine weights are zero where a token did not
     choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
   * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
-    (`lax.ragged_dot_general`), which read each expert's weights for its group only.
+    (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
+    weights a grouped GEMM streams is its lowering's business: issue 20's H200 probe put XLA's near the
+    cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
+    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times both, and others.
 `moe_mlp` picks one by the static token count M = B T. `moe_reference` (all experts, dense) is the tests'
 oracle only.
 """
