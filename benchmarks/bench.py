@@ -130,6 +130,11 @@ class Bench:
         self.log(f"skipped (time budget): {label}")
         return False
 
+    def target_read(self, batch: int, tokens: int) -> int:
+        """Target weight bytes a step of `tokens` tokens per row reads: every weight but the embedding
+        (bench_moe counts only the routed experts)."""
+        return measure.target_weight_bytes(self.tparams)
+
     def floor_s(self, nbytes_read: int) -> float:
         return nbytes_read / (self.bw * 1e12) if self.bw else float("nan")
 
@@ -173,8 +178,7 @@ class Bench:
         t = self.plan.target
         rounds = self.rounds_per_call if rounds_per_call is None else rounds_per_call
         call, compiled, compile_s, seconds, state = self._engine_call(batch, length, length + 64, kernels, rounds)
-        read = (measure.target_weight_bytes(self.tparams)
-                + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length))
+        read = self.target_read(batch, 1) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, length)
         kernel_times = None
         if profile:
             holder = [state]
@@ -195,8 +199,7 @@ class Bench:
                                 kernels=kernels)
         compiled, compile_s = measure.compile_timed(step, self.tparams, toks, cache)
         seconds, _ = self.time(compiled, cache, (self.tparams, toks))
-        read = (measure.target_weight_bytes(self.tparams)
-                + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens))
+        read = self.target_read(batch, tokens) + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + tokens)
         entry = {"batch": batch, "kv_len": L, "tokens": tokens, "kernels": kernels}
         self.row("verify", entry, seconds, read, compile_s)
 
@@ -254,7 +257,7 @@ class Bench:
         measured = self._parts(batch, gamma, kernels)
         parts = {r["section"]: r["time_ms"] for r in measured}
         t = self.plan.target
-        read = (measure.target_weight_bytes(self.tparams)
+        read = (self.target_read(batch, gamma + 1)
                 + self._kv(t.num_layers, t.num_kv_heads, t.head_dim, batch, L + gamma + 1)
                 + sum(r["bytes_read"] for r in measured if r["section"] != "verify"))
         entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "parts_ms": parts,
@@ -672,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only a sampled round against a greedy round (batch 1 and 8, gamma 3) and the filters")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
+    parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b",
+                        help="the target's shapes: dense Qwen3-8B, or Qwen3-30B-A3B (MoE; benchmarks/bench_moe.py)")
+    parser.add_argument("--routing", choices=("random", "local"), default="random",
+                        help="MoE: the routing the experts section leads with (both are measured; the whole "
+                             "steps route through random routers)")
     args = parser.parse_args(argv)
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
@@ -682,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
+    if args.model == "qwen3-30b-a3b":
+        return _main_moe(args, tiny, kernels, dtype, out)
     bench = Bench(plan, kernels, args.budget_s, dtype, out, rounds_per_call=args.rounds_per_call)
     bench.with_peer = not args.no_peer
     bench.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
@@ -719,6 +729,24 @@ def main(argv: list[str] | None = None) -> int:
                   "top kernels (launches, us per step):")
             for name, (count, us) in list(step["kernels"].items())[:12]:
                 print(f"    {us:8.1f} us {count:5.0f}x  {name[:90]}")
+    return 0
+
+
+def _main_moe(args, tiny: bool, kernels: tuple[str, ...], dtype, out: Path) -> int:
+    from benchmarks import bench_moe  # it builds on this module
+
+    plan = bench_moe.tiny_moe_plan() if tiny else bench_moe.qwen3_30b_a3b_plan()
+    bench = bench_moe.MoeBench(plan, kernels[:1], args.budget_s, dtype, out, rounds_per_call=args.rounds_per_call)
+    bench.results.update(versions=versions(), plan={"tiny": tiny, "model": args.model,
+                                                     "target": dataclasses.asdict(plan.base.target),
+                                                     "drafter": dataclasses.asdict(plan.base.drafter)})
+    results = bench.run(args.routing)
+    bench.save()
+    try:
+        plot(results, out / "bench.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(bench_moe.summary(results))
     return 0
 
 

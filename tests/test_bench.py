@@ -103,3 +103,48 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     np.testing.assert_allclose(bench.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
                                atol=1e-6)
 
+
+
+def test_moe_bench_smoke(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b` at tiny shapes, one gamma and one token count: every section runs and
+    the floors count the routed experts only."""
+    import dataclasses
+
+    from benchmarks import bench_moe
+
+    tiny = bench_moe.tiny_moe_plan()
+    plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)), ffn_tokens=(2,))
+    monkeypatch.setattr(bench_moe, "tiny_moe_plan", lambda: plan)
+    args = ["--tiny", "--model", "qwen3-30b-a3b", "--out", str(tmp_path), "--kernels", "xla", "--rounds-per-call", "1"]
+    assert bench.main(args) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == [] and results["routing_used"]["steps"] == "random routers"
+    for section in ("decode", "verify", "round"):
+        (row,) = results[section]
+        assert row["time_ms"] > 0 and row["floor_ms"] > 0
+    cfg = plan.base.target
+    all_experts = cfg.num_layers * cfg.moe.num_experts * bench_moe.expert_bytes(cfg, 4)
+    assert results["decode"][0]["bytes_read"] < all_experts  # 4 of 16 experts per layer, not all
+    experts = results["experts"]
+    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in bench_moe.ROUTINGS
+                                                              for p in ("gathered", "grouped", "grouped_in_out")}
+    projection = results["projection"]["batch_1"]
+    assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
+
+
+def test_synthetic_routing_and_the_tau_model():
+    from benchmarks import bench_moe
+
+    for kind in bench_moe.ROUTINGS:
+        ids = bench_moe.synthetic_routing(kind, layers=3, rows=2, tokens=5, experts=16, top_k=4)
+        assert ids.shape == (3, 10, 4) and ids.min() >= 0 and ids.max() < 16
+        assert all(len(set(row)) == 4 for row in ids.reshape(-1, 4))  # k distinct experts per token
+    local = bench_moe.synthetic_routing("local", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    uniform = bench_moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    assert bench_moe.distinct_per_layer(local).mean() < bench_moe.distinct_per_layer(uniform).mean()
+    assert abs(bench_moe.tau_model(3) - 2.5) < 1e-9 and 1 < bench_moe.tau_model(1) < bench_moe.tau_model(2) < 2.5
+    import jax
+
+    with bench_moe._config(bench_moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
+        assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is True
+    assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is False

@@ -120,7 +120,7 @@ def break_corrupt_index(f):
 
 def break_not_qwen3(f):
     edit_config(f, model_type="llama", architectures=["LlamaForCausalLM"])
-    return "not a dense Qwen3 model"
+    return "not a Qwen3 or Qwen3-MoE model"
 
 
 def break_sliding_window(f):

@@ -14,7 +14,7 @@ from typing import Any
 
 from eagle3_jax.errors import CheckpointError
 
-_QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM",), "qwen3_moe": ("Qwen3MoeForCausalLM",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,28 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts MLP of a Qwen3-MoE target (transformers' `Qwen3MoeSparseMoeBlock`).
+
+    Layer i is sparse when it is not in mlp_only_layers and (i + 1) is a multiple of
+    decoder_sparse_step (transformers' `Qwen3MoeDecoderLayer`); other layers keep the dense MLP of the
+    target's intermediate_size.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """Shape and numerics of a dense Qwen3 target."""
+    """Shape and numerics of a Qwen3 target: dense, or with a mixture-of-experts MLP when `moe` is set."""
 
     vocab_size: int
     hidden_size: int
@@ -114,12 +134,17 @@ class Qwen3Config:
     rope: RopeConfig
     tie_word_embeddings: bool
     max_position_embeddings: int
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` runs the mixture of experts (else the dense gated MLP)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def default_capture_layers(self) -> tuple[int, int, int]:
@@ -131,10 +156,10 @@ class Qwen3Config:
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "Qwen3Config":
         model_type = raw.get("model_type")
         architectures = tuple(raw.get("architectures") or ())
-        if model_type != "qwen3" or (architectures and not set(architectures) & set(_QWEN3_ARCHITECTURES)):
-            raise CheckpointError(
-                f"{where}: not a dense Qwen3 model (model_type={model_type!r}, architectures={list(architectures)})"
-            )
+        known = _ARCHITECTURES.get(model_type)
+        if known is None or (architectures and not set(architectures) & set(known)):
+            raise CheckpointError(f"{where}: not a Qwen3 or Qwen3-MoE model (model_type={model_type!r}, "
+                                  f"architectures={list(architectures)})")
         _refuse_unsupported(raw, where)
         try:
             heads = int(raw["num_attention_heads"])
@@ -152,6 +177,7 @@ class Qwen3Config:
                 rope=parse_rope(raw, head_dim, max_positions, where),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=max_positions,
+                moe=_parse_moe(raw, where) if model_type == "qwen3_moe" else None,
             )
         except KeyError as e:
             raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
@@ -170,6 +196,31 @@ def _refuse_unsupported(raw: dict[str, Any], where: str) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+
+
+def _parse_moe(raw: dict[str, Any], where: str) -> MoeConfig:
+    """The MoE fields of a `qwen3_moe` config.json. transformers 5 writes `num_local_experts` for
+    `num_experts`. `output_router_logits` and `router_aux_loss_coef` only add a training loss, so
+    inference ignores them; what would change the computation and is not implemented is refused."""
+    layers = int(raw["num_hidden_layers"])
+    experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+    top_k, step = int(raw["num_experts_per_tok"]), int(raw.get("decoder_sparse_step", 1))
+    mlp_only = tuple(sorted(int(i) for i in raw.get("mlp_only_layers") or ()))
+    if raw.get("shared_expert_intermediate_size"):
+        raise CheckpointError(f"{where}: shared_expert_intermediate_size (a Qwen2-MoE shared expert) is not supported")
+    if experts < 1:
+        raise CheckpointError(f"{where}: num_experts={experts} is not supported (a MoE target needs experts)")
+    if not 1 <= top_k <= experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+    if step < 1:
+        raise CheckpointError(f"{where}: decoder_sparse_step={step} must be >= 1")
+    bad = [i for i in mlp_only if not 0 <= i < layers]
+    if bad:
+        raise CheckpointError(f"{where}: mlp_only_layers holds {bad[0]}, outside the {layers} layers")
+    return MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                     mlp_only_layers=mlp_only)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The Qwen3 target as pure functions over a parameter pytree.
+"""The Qwen3 target (dense or Qwen3-MoE) as pure functions over a parameter pytree.
 
 Parameters (weights in transformers' [out, in] orientation; one array per layer, never a stacked
 array sliced per layer, which costs copies on the GPU):
     embed [V, D], final_norm [D], lm_head [V, D] (absent when tied to embed),
     layers: tuple of {attn_norm [D], wqkv [(N + 2K) H, D], q_norm [H], k_norm [H], wo [D, N H],
                       mlp_norm [D], w_gate_up [2 I, D], w_down [D, I]}
+    A Qwen3-MoE target's sparse layers (cfg.is_sparse) hold instead router [E, D],
+    w_gate_up [E, 2 Ie, D] and w_down [E, D, Ie] (Ie = moe_intermediate_size; models/moe.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.models import kv_cache
+from eagle3_jax.models import kv_cache, moe
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
@@ -36,10 +38,14 @@ def abstract_params(cfg: Qwen3Config, dtype) -> dict:
         "w_gate_up": (2 * I, D),
         "w_down": (D, I),
     }
+    sparse = dict(layer)
+    if cfg.moe is not None:
+        E, Ie = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
+        sparse.update(router=(E, D), w_gate_up=(E, 2 * Ie, D), w_down=(E, D, Ie))
     shapes = {
         "embed": (cfg.vocab_size, D),
         "final_norm": (D,),
-        "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
+        "layers": tuple(dict(sparse if cfg.is_sparse(i) else layer) for i in range(cfg.num_layers)),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, D)
@@ -79,12 +85,25 @@ def forward(
     the caller commits by setting lengths, features [B, T, len(capture_layers) * D] or None).
     The features are the residual stream entering each capture layer, concatenated in order.
     """
+    hidden, cache, features, _ = _run(params, cfg, tokens, cache, capture_layers, kernels)
+    return hidden, cache, features
+
+
+def expert_ids(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: kv_cache.KVCache,
+               kernels: str = "xla") -> tuple[jax.Array, ...]:
+    """The experts each token of tokens [B, T] is routed to, per sparse layer in order: [B T, k] int32
+    each. What a step of these tokens reads, for the benchmark's floors."""
+    return _run(params, cfg, tokens, cache, (), kernels)[3]
+
+
+def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels):
+    """forward, plus the sparse layers' routing (XLA drops it where the caller does not use it)."""
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params["embed"][tokens]
     cos, sin = rope_tables(positions, cfg.rope, x.dtype)
     eps = cfg.rms_norm_eps
-    captured, new_k, new_v = {}, [], []
+    captured, new_k, new_v, routing = {}, [], [], []
     delta = None  # what the previous block adds to the residual stream x
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
@@ -96,12 +115,16 @@ def forward(
                 layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
-            delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
+            if cfg.is_sparse(i):
+                delta, ids = moe.moe_mlp(normed, layer, cfg.moe)
+                routing.append(ids)
+            else:
+                delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
     features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
-    return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features
+    return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features, tuple(routing)
 
 
 def logits(params: Params, hidden: jax.Array, kernels: str = "xla") -> jax.Array:

@@ -1,0 +1,112 @@
+"""The Qwen3-MoE sparse MLP as pure functions: the router, then the routed experts' SiLU-gated MLPs.
+
+Parameters of a sparse layer (transformers 5's fused layout, weights [out, in]):
+    router [E, D], w_gate_up [E, 2I, D] (gate rows first, then up), w_down [E, D, I].
+
+Two ways to run the experts, both reading only the experts some token was routed to, each once per
+step, and never computing all E experts:
+  * `experts_gathered` (few tokens): the distinct routed experts (at most min(M k, E)) are gathered once
+    and every token is run through each of them; the combine weights are zero where a token did not
+    choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
+  * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
+    (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
+    weights a grouped GEMM streams is its lowering's business: issue 20's H200 probe put XLA's near the
+    cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
+    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times both, and others.
+`moe_mlp` picks one by the static token count M = B T. `moe_reference` (all experts, dense) is the tests'
+oracle only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.models.config import MoeConfig
+
+# At most this many tokens per step take the gathered path. An H200 probe at Qwen3-30B-A3B shapes
+# (issue 20: random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
+# tokens (4.4 / 11.4 ms against 15.9 / 17.3) and slower from 8 (20.7 against 18.2).
+GATHER_MAX_TOKENS = 4
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """x [M, D] -> (weights [M, k] in x's dtype, expert ids [M, k] int32), as transformers routes: logits
+    in x's dtype, softmax in float32, top-k of the probabilities, renormalised when `normalize`."""
+    logits = jnp.einsum("md,ed->me", x, router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def experts_gathered(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
+                     w_down: jax.Array) -> jax.Array:
+    """x [M, D], routing [M, k] -> [M, D], through the distinct routed experts gathered once.
+
+    The S = min(M k, E) slots hold the distinct ids in order, padded with E (no expert): the padded
+    slots gather zeros (mode="fill") and get zero combine weight, so no expert is read twice."""
+    M, k = ids.shape
+    E = w_gate_up.shape[0]
+    slots = jnp.unique(ids.reshape(-1), size=min(M * k, E), fill_value=E)  # [S]
+    combine = jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))  # [M, S]
+    gate_up = jnp.take(w_gate_up, slots, axis=0, mode="fill", fill_value=0)  # [S, 2I, D]
+    down = jnp.take(w_down, slots, axis=0, mode="fill", fill_value=0)  # [S, D, I]
+    h = _swiglu(jnp.einsum("md,sod->smo", x, gate_up))  # [S, M, I]
+    y = jnp.einsum("smi,sdi->smd", h, down)
+    return jnp.einsum("ms,smd->md", combine, y)
+
+
+_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),  # contract lhs [m, in] with rhs [g, out, in]'s `in`
+    lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+def ragged_dot_out_in(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [m, in] (rows grouped) times rhs [g, out, in] (weights as transformers stores them) -> [m, out]."""
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED)
+
+
+def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
+                    w_down: jax.Array, ragged_dot=ragged_dot_out_in) -> jax.Array:
+    """x [M, D], routing [M, k] -> [M, D] by grouped GEMMs over the (token, choice) pairs sorted by expert.
+    ragged_dot(lhs, w, group_sizes) multiplies by the expert weights in whatever layout they are given
+    (the benchmark times other grouped GEMMs on [E, in, out] copies through it)."""
+    M, k = ids.shape
+    E = w_gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # [M k]: pairs grouped by expert, in expert order
+    token = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    h = _swiglu(ragged_dot(x[token], w_gate_up, sizes))  # [M k, I]
+    y = ragged_dot(h, w_down, sizes)  # [M k, D]
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The sparse MLP of x [B, T, D] -> ([B, T, D], the expert ids [B T, k] it routed to); path "auto"
+    chooses by the static token count B T, "gathered" or "grouped" forces one (benchmarks, tests)."""
+    B, T, D = x.shape
+    flat = x.reshape(B * T, D)
+    weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if path == "auto":
+        path = "gathered" if B * T <= GATHER_MAX_TOKENS else "grouped"
+    run = {"gathered": experts_gathered, "grouped": experts_grouped}[path]
+    with jax.named_scope(f"moe_{path}"):
+        return run(flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
+
+
+def moe_reference(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
+                  w_down: jax.Array) -> jax.Array:
+    """Every expert on every token, weighted by the routing (zero where not chosen): the tests' oracle."""
+    E = w_gate_up.shape[0]
+    dense = jnp.einsum("mk,mke->me", weights, jax.nn.one_hot(ids, E, dtype=weights.dtype))  # [M, E]
+    h = _swiglu(jnp.einsum("md,eod->emo", x, w_gate_up))
+    return jnp.einsum("me,emd->md", dense, jnp.einsum("emi,edi->emd", h, w_down))

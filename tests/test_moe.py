@@ -1,0 +1,210 @@
+"""Qwen3-MoE targets (float32, CPU): both expert paths against the dense reference; the target against
+transformers' Qwen3MoeForCausalLM (logits, features, greedy output) for both checkpoint layouts; the
+conversion round trip; refusals naming the key; speculation lossless on an MoE target."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import eagle3_jax
+from eagle3_jax import CheckpointError
+from eagle3_jax.checkpoints import safetensors_io
+from eagle3_jax.models import moe
+from eagle3_jax.models import qwen3 as target_lib
+
+from hf_models import MOE_CONFIGS, build_moe_model, save_moe_model
+
+PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64]]
+STEPS = [[12, 77, 140], [1, 159, 30], [45, 45, 0]]  # teacher-forced decode tokens per row
+
+
+forward = jax.jit(target_lib.forward, static_argnums=(1, 4))  # one compile per config and shape
+
+
+def padded(prompts, width=8):
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return jnp.asarray(tokens), jnp.array([len(p) for p in prompts], jnp.int32)
+
+
+def rel_err(ours, ref):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return np.max(np.abs(ours - ref)) / np.max(np.abs(ref))
+
+
+def test_expert_paths_match_the_dense_reference():
+    """Both paths on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
+    chosen by none (the gathered path's padded slots). Through the target, the golden tests below run
+    the gathered path at decode and the grouped one at prefill."""
+    E, D, Ie, tokens, top_k = 8, 16, 12, 5, 3
+    keys = jax.random.split(jax.random.key(0), 4)
+    w_gate_up, w_down = jax.random.normal(keys[0], (E, 2 * Ie, D)), jax.random.normal(keys[1], (E, D, Ie))
+    x = jax.random.normal(keys[2], (tokens, D))
+    weights, ids = moe.route(x, jax.random.normal(keys[3], (E, D)), top_k, normalize=True)
+    np.testing.assert_allclose(np.sum(np.asarray(weights), -1), 1.0, rtol=1e-6)
+    assert len(np.unique(ids)) < E and len(np.unique(ids)) < tokens * top_k
+    ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
+    for path in (moe.experts_gathered, moe.experts_grouped):
+        assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
+def case(request, tmp_path_factory):
+    model = build_moe_model(request.param)
+    folder = save_moe_model(model, tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, model, folder, eagle3_jax.load_target(folder, dtype="float32", progress=False)
+
+
+def test_layout_and_dense_layers_as_configured(case):
+    name, model, folder, tgt = case
+    opts = MOE_CONFIGS[name]
+    fused = opts["layout"] == "fused"
+    names = set(safetensors_io.weight_map(folder))
+    assert any(".experts.0.gate_proj." in n for n in names) is not fused
+    assert any(n.endswith(".experts.gate_up_proj") for n in names) is fused
+    assert (len(list(folder.glob("*.safetensors"))) > 1) is ("shard" in opts)
+    hf_sparse = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+    assert [tgt.config.is_sparse(i) for i in range(tgt.config.num_layers)] == hf_sparse
+    assert ["router" in layer for layer in tgt.params["layers"]] == hf_sparse
+    i = hf_sparse.index(True)
+    experts = model.model.layers[i].mlp.experts
+    np.testing.assert_array_equal(tgt.params["layers"][i]["w_gate_up"], experts.gate_up_proj.detach().numpy())
+    np.testing.assert_array_equal(tgt.params["layers"][i]["w_down"], experts.down_proj.detach().numpy())
+
+
+def test_prefill_decode_and_features_match_transformers(case):
+    """Prefill (9 x 3 tokens: the grouped path) and decode steps (3 tokens: the gathered path)."""
+    name, model, _, tgt = case
+    cfg = tgt.config
+    capture = cfg.default_capture_layers
+    tokens, lengths = padded(PROMPTS)
+    cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
+    hidden, cache, feats = forward(tgt.params, cfg, tokens, cache, capture)
+    logits = target_lib.logits(tgt.params, hidden)
+    cache = cache.with_lengths(lengths)
+    step_logits = []
+    for s in range(len(STEPS[0])):
+        h, cache, _ = forward(tgt.params, cfg, jnp.array([[row[s]] for row in STEPS], jnp.int32), cache, ())
+        step_logits.append(np.asarray(target_lib.logits(tgt.params, h))[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = model(torch.tensor([prompt + STEPS[i]]), output_hidden_states=True)
+        ref_logits, P = out.logits[0].numpy(), len(prompt)
+        assert rel_err(logits[i, :P], ref_logits[:P]) < 1e-4, name
+        for s in range(len(STEPS[i])):
+            assert rel_err(step_logits[s][i], ref_logits[P + s]) < 1e-4, (name, s)
+        ref_feats = np.concatenate([out.hidden_states[layer][0, :P].numpy() for layer in capture], axis=-1)
+        assert rel_err(feats[i, :P], ref_feats) < 1e-4, name
+
+
+def test_greedy_output_matches_transformers(case):
+    """Greedy tokens of batch 3 (each step on the gathered path) against transformers' generate, through
+    the programs the logits test compiled (the engine's own loop is checked in test_moe_speculation)."""
+    name, model, _, tgt = case
+    tokens, lengths = padded(PROMPTS)
+    cache = target_lib.new_cache(tgt.config, len(PROMPTS), 32, jnp.float32)
+    hidden, cache, _ = forward(tgt.params, tgt.config, tokens, cache, tgt.config.default_capture_layers)
+    last = target_lib.logits(tgt.params, hidden)[jnp.arange(len(PROMPTS)), lengths - 1]
+    out = [jnp.argmax(last, -1).astype(jnp.int32)]
+    cache = cache.with_lengths(lengths)
+    for _ in range(7):
+        h, cache, _ = forward(tgt.params, tgt.config, out[-1][:, None], cache, ())
+        out.append(jnp.argmax(target_lib.logits(tgt.params, h)[:, 0], -1).astype(jnp.int32))
+        cache = cache.with_lengths(cache.lengths + 1)
+    ours = np.stack(out, 1)
+    for prompt, row in zip(PROMPTS, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert row.tolist() == ref[0, len(prompt):].tolist(), name
+
+
+def test_convert_round_trip(case, tmp_path):
+    name, _, folder, tgt = case
+    restored = eagle3_jax.load_target(eagle3_jax.convert(folder, tmp_path / "orbax", dtype="float32"),
+                                      dtype="float32", progress=False)
+    assert restored.config == tgt.config
+    same = jax.tree.map(np.array_equal, tgt.params, restored.params)
+    assert all(jax.tree.leaves(same))
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_bad")
+    out = {}
+    for name in MOE_CONFIGS:
+        out[name] = save_moe_model(build_moe_model(name, num_layers=2, vocab=32), root / name, name)
+    return out
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def drop_tensor(folder, name):
+    from safetensors.torch import load_file, save_file
+
+    file = safetensors_io.weight_map(folder)[name]  # sharded: the index still lists it
+    state = load_file(file)
+    del state[name]
+    save_file(state, file, metadata={"format": "pt"})
+
+
+PER_EXPERT, FUSED = "moe_top1_step2_sharded", "moe_top3_norm_fused"  # 2 layers: sparse layer 1 in both
+REFUSALS = [
+    (PER_EXPERT, lambda f: drop_tensor(f, "model.layers.1.mlp.experts.3.up_proj.weight"),
+     "missing tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    (PER_EXPERT, lambda f: drop_tensor(f, "model.layers.1.mlp.gate.weight"),
+     "missing tensor 'model.layers.1.mlp.gate.weight'"),
+    (PER_EXPERT, lambda f: edit_config(f, moe_intermediate_size=20),
+     r"'model.layers.1.mlp.experts.0.gate_proj.weight' has shape \(24, 32\), expected \(20, 32\)"),
+    (FUSED, lambda f: edit_config(f, num_local_experts=5),
+     r"'model.layers.1.mlp.gate.weight' has shape \(6, 32\), expected \(5, 32\)"),
+    (FUSED, lambda f: edit_config(f, moe_intermediate_size=20),
+     r"'model.layers.1.mlp.experts.gate_up_proj' has shape \(6, 48, 32\), expected \(6, 40, 32\)"),
+    (FUSED, lambda f: drop_tensor(f, "model.layers.1.mlp.experts.down_proj"),
+     "missing tensor 'model.layers.1.mlp.experts.down_proj'"),
+    (FUSED, lambda f: edit_config(f, mlp_only_layers=[]),  # layer 0 is dense in the file
+     "missing tensor 'model.layers.0.mlp.gate.weight'"),
+    (FUSED, lambda f: edit_config(f, shared_expert_intermediate_size=16), "shared_expert_intermediate_size"),
+    (FUSED, lambda f: edit_config(f, num_experts_per_tok=7), "num_experts_per_tok=7 must be between"),
+    (FUSED, lambda f: edit_config(f, decoder_sparse_step=0), "decoder_sparse_step=0"),
+    (FUSED, lambda f: edit_config(f, mlp_only_layers=[2]), "mlp_only_layers holds 2"),
+    (FUSED, lambda f: edit_config(f, use_sliding_window=True), "use_sliding_window"),
+    (FUSED, lambda f: edit_config(f, architectures=["Qwen3ForCausalLM"]), "not a Qwen3 or Qwen3-MoE"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(REFUSALS)))
+def test_bad_moe_checkpoints_raise_checkpoint_error(folders, tmp_path, index, monkeypatch):
+    name, breaker, message = REFUSALS[index]
+    folder = shutil.copytree(folders[name], tmp_path / "f")
+    breaker(folder)
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("device work before the checks"))
+    with pytest.raises(CheckpointError, match=message):
+        eagle3_jax.load_target(folder, progress=False)
+
+
+def test_expert_ids_are_transformers_routing(case):
+    """The routing a step reports (the benchmark's floors count its distinct experts) is transformers'."""
+    name, model, _, tgt = case
+    prompt = PROMPTS[0]
+    cache = target_lib.new_cache(tgt.config, 1, 8, jnp.float32)
+    ours = jax.jit(target_lib.expert_ids, static_argnums=1)(tgt.params, tgt.config, jnp.asarray([prompt]), cache)
+    with torch.no_grad():
+        router_logits = model(torch.tensor([prompt]), output_router_logits=True).router_logits
+    k = tgt.config.moe.num_experts_per_tok
+    assert len(ours) == len(router_logits) == sum(map(tgt.config.is_sparse, range(tgt.config.num_layers)))
+    for ids, ref in zip(ours, router_logits):
+        np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(ref.topk(k, -1).indices.numpy(), -1))
