@@ -25,7 +25,7 @@ import numpy as np
 import eagle3_jax
 from benchmarks import bench
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
-from eagle3_jax.demo.build import PAIR
+from eagle3_jax.demo import PAIR
 
 
 def _timed_generate(engine, prompts, max_new, stops) -> tuple[list, float]:

@@ -30,6 +30,11 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _common
 
 ROW_TILE = 16  # rows per dot: Triton's smallest tensor-core tile
+# Rows per call: a program holds every row tile of a K step in shared memory, (rows + block_n) x block_k
+# elements per pipeline stage, so the rows are bounded (more rows take further calls, each row computed as
+# in any other call). With the defaults, 3 buffered stages of 64 rows fit Hopper's 227 KiB in bf16 (block_k
+# 256) and float32 (block_k 128); float32 at block_k 256 was refused on the H200 (288 KiB requested).
+MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +55,13 @@ class SkinnyConfig:
             raise ValueError(f"bad {self.num_warps=} or {self.num_stages=}")
 
     @classmethod
-    def for_weight(cls, n: int, k: int, **tuning) -> "SkinnyConfig":
-        """The defaults for an [n, k] weight, then the given fields. Narrow weights (n <= 8192) take
-        32-row blocks so that their programs fill the H200's 132 SMs (4096 / 32 = 128 programs)."""
+    def for_weight(cls, n: int, k: int, itemsize: int = 2, **tuning) -> "SkinnyConfig":
+        """The defaults for an [n, k] weight of itemsize-byte elements, then the given fields. Narrow weights
+        (n <= 8192) take 32-row blocks so that their programs fill the H200's 132 SMs (4096 / 32 = 128
+        programs); 4-byte elements take half the columns per step (shared memory, see MAX_ROWS)."""
         defaults = {"block_n": 32} if n <= 8192 else {}
+        if itemsize > 2:
+            defaults["block_k"] = 128
         return cls(**{**defaults, **tuning})
 
 
@@ -123,8 +131,10 @@ def skinny_matmul(x, w, *, out_dtype=None, interpret: bool = False, **static_tun
         raise ValueError(f"x is {x.dtype} but the weight is {w.dtype}")
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x, w))
     flat = x.reshape(-1, K)
-    out = _skinny(flat, w, out_dtype=out_dtype, config=SkinnyConfig.for_weight(N, K, **static_tuning),
-                  interpret=interpret)
+    config = SkinnyConfig.for_weight(N, K, w.dtype.itemsize, **static_tuning)
+    parts = [_skinny(flat[i:i + MAX_ROWS], w, out_dtype=out_dtype, config=config, interpret=interpret)
+             for i in range(0, flat.shape[0], MAX_ROWS)]
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return out.reshape(*x.shape[:-1], N)
 
 

@@ -6,6 +6,7 @@ The current decode attention fails the same kernel check: the check can fail. On
 kernels run in Pallas' interpreter; tests/test_exact_gpu.py runs the same checks on a GPU.
 """
 
+import importlib
 import json
 
 import jax
@@ -34,7 +35,7 @@ def _close(got, want, dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_skinny_matmul_rows_do_not_depend_on_the_row_count(dtype):
+def test_skinny_matmul_rows_do_not_depend_on_the_row_count(dtype, monkeypatch):
     """20 rows (two row tiles, the second partial), K = 48 (a partial K block), N = 80 (16-row weight
     blocks): every row equals the same row computed alone or among 5."""
     kx, kw = jax.random.split(jax.random.key(0))
@@ -49,6 +50,9 @@ def test_skinny_matmul_rows_do_not_depend_on_the_row_count(dtype):
                                   bits(full[:5]))
     wide = pallas_kernels.skinny_matmul(x.reshape(4, 5, 48), w, out_dtype=jnp.float32, interpret=True, block_k=32)
     assert wide.shape == (4, 5, 80) and wide.dtype == jnp.float32
+    # More rows than one call takes (MAX_ROWS, here lowered to 8) go through further calls, bit for bit the same.
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.skinny_matmul"), "MAX_ROWS", 8)
+    np.testing.assert_array_equal(bits(pallas_kernels.skinny_matmul(x, w, interpret=True, block_k=32)), bits(full))
 
 
 def _attention_case(dtype):

@@ -62,6 +62,8 @@ def test_specbundle_layout_drafter_captures_the_default_layers(pair):
     drafter = eagle3_jax.load_drafter(folder, target, dtype="float32")
     assert target.config.moe is not None and drafter.config.draft_vocab_size == 40
     assert drafter.config.capture_layers == target.config.default_capture_layers == (2, LAYERS // 2, LAYERS - 3)
+    with pytest.raises(ValueError, match="dense targets"):  # no row-invariant expert kernels
+        eagle3_jax.Engine(target, drafter, max_len=MAX_LEN, exact=True)
 
 
 def test_lossless_for_every_gamma_up_to_the_cache_edge(pair):

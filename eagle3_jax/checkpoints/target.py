@@ -39,7 +39,7 @@ class Target:
     folder: Path
 
 
-def _hf_layer_keys(cfg: Qwen3Config, i: int) -> dict[str, tuple[str, ...]]:
+def hf_layer_keys(cfg: Qwen3Config, i: int) -> dict[str, tuple[str, ...]]:
     """Our per-layer name -> the transformers tensors it is made of (concatenated along the output).
     A sparse layer's experts are named by their fused names, which per-expert checkpoints are stacked into."""
     p = f"model.layers.{i}."
@@ -162,7 +162,7 @@ def _assemble(cfg: Qwen3Config, loaded: dict[str, jax.Array]) -> dict:
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
-        for ours, theirs in _hf_layer_keys(cfg, i).items():
+        for ours, theirs in hf_layer_keys(cfg, i).items():
             parts = [loaded.pop(name) for name in theirs]
             layer[ours] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         layers.append(layer)

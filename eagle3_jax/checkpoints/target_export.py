@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from eagle3_jax.checkpoints.target import _hf_layer_keys
+from eagle3_jax.checkpoints.target import hf_layer_keys
 from eagle3_jax.models.config import Qwen3Config
 
 
 def hf_config(cfg: Qwen3Config, dtype: str, eos_token_id: int | None = None) -> dict:
-    """transformers' Qwen3 config.json for cfg (plain RoPE only: the configs we train have no scaling)."""
-    if cfg.rope.kind != "default":
-        raise ValueError("exporting a target with rope scaling is not supported")
+    """transformers' Qwen3 config.json for cfg (dense, plain RoPE: what `training/pretrain.py` trains)."""
+    if cfg.rope.kind != "default" or cfg.moe is not None:
+        raise ValueError("exporting a target with rope scaling or experts is not supported")
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -43,7 +43,7 @@ def hf_tensors(cfg: Qwen3Config, params: dict, dtype: str) -> dict[str, np.ndarr
     N, K, H, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     splits = {"wqkv": [N * H, (N + K) * H], "w_gate_up": [I]}
     for i, layer in enumerate(params["layers"]):
-        for ours, theirs in _hf_layer_keys(i).items():
+        for ours, theirs in hf_layer_keys(cfg, i).items():
             parts = np.split(host(layer[ours]), splits[ours], axis=0) if ours in splits else [host(layer[ours])]
             tensors.update(zip(theirs, parts))
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}

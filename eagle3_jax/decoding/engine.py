@@ -126,6 +126,8 @@ class Engine:
         if exact and not kernels_lib.pallas_attention_supports(cfg.head_dim):
             raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), "
                              f"got {cfg.head_dim}")
+        if exact and cfg.moe is not None:
+            raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_jax.demo import corpus
+from eagle3_jax.demo import PAIR, corpus
 
-PAIR = Path(__file__).parent / "pair"  # the shipped pair
 EOS = "<|endoftext|>"
 SAMPLED_TEMPERATURE = 0.7
 

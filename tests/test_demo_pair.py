@@ -1,0 +1,161 @@
+"""The demo pair: the shipped files load in transformers and in eagle3_jax and agree, the demo's speculative output
+is its spec-off output, the pair is what its record says; and the pieces that built it: the corpus stages, the
+pre-training loss (against transformers' own), exact resume, the Hugging Face export, the drafter's data."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+import eagle3_jax
+from benchmarks import pair_bench
+from eagle3_jax.checkpoints.target_export import export_hf
+from eagle3_jax.demo import PAIR, build, corpus
+from eagle3_jax.demo.__main__ import main as demo_main
+from eagle3_jax.models import qwen3
+from eagle3_jax.training import pretrain
+
+TINY = build.BuildConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = eagle3_jax.load_target(PAIR / "target", dtype="float32", progress=False)
+    return target, eagle3_jax.load_drafter(PAIR / "drafter", target, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    return [p for p in json.loads((PAIR / "prompts.json").read_text()) if p["demo"]]
+
+
+def test_shipped_target_matches_transformers(pair, demo_prompts):
+    """transformers' Qwen3ForCausalLM (float32) and load_target give the same logits and greedy tokens, and the
+    tokenizer round-trips the held-out text."""
+    target, _ = pair
+    tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    text = demo_prompts[1]["text"].rstrip("\n")
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    hf = Qwen3ForCausalLM.from_pretrained(PAIR / "target", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].numpy()
+        hf_greedy = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    cache = qwen3.new_cache(target.config, 1, len(ids), jnp.float32)
+    hidden, _, _ = qwen3.forward(target.params, target.config, jnp.asarray([ids]), cache)
+    ours = np.asarray(qwen3.logits(target.params, hidden))[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4 * np.abs(theirs).max())
+    assert eagle3_jax.Engine(target, max_len=128).generate([ids], 16)[0].token_ids == hf_greedy
+
+
+def test_shipped_files_are_the_record(pair):
+    """bfloat16 weights, at most 30 MB in all, the held-out split as the rule says, the recorded tau goal met."""
+    files = [f for f in PAIR.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 30e6
+    for path in PAIR.glob("*/model.safetensors"):
+        with safe_open(str(path), "np") as f:
+            assert {str(f.get_slice(k).get_dtype()) for k in f.keys() if k not in ("d2t", "t2d")} == {"BF16"}
+    manifest = json.loads((PAIR / "manifest.json").read_text())
+    assert all(e["held_out"] == corpus.is_held_out(e["path"]) for e in manifest["files"])
+    held_out = {e["path"] for e in manifest["files"] if e["held_out"]}
+    assert {p["file"] for p in json.loads((PAIR / "prompts.json").read_text())} <= held_out
+    record = json.loads((PAIR / "record.json").read_text())
+    assert record["done"] == list(build.STAGES[:-1]) and record["tau_greedy"]["3"] >= 3.0
+    target, drafter = pair
+    assert record["config"]["vocab_size"] == target.config.vocab_size == drafter.config.target_vocab_size
+
+
+def test_demo_output_is_spec_off_output(capsys):
+    """The demo raises if speculative output differs from spec-off output; it prints decoded text."""
+    summary = demo_main(["--prompts", "2", "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert out.count("(held out)") == 2 and "output identical to spec off" in out
+    assert summary["tau"] > 1.5 and summary["sampled_tau"] >= 1.0
+
+
+def test_pair_bench_dry_run(tmp_path):
+    assert pair_bench.main(["--out", str(tmp_path), "--tiny", "--dtype", "float32", "--gammas", "3",
+                            "--max-new-tokens", "6"]) == 0
+    results = json.loads((tmp_path / "pair_bench.json").read_text())
+    assert {(r["batch"], r["gamma"]) for r in results["end_to_end"]} == {(1, 0), (1, 3), (8, 0), (8, 3)}
+    assert results["projection"]["projected_speedup"] > 0
+
+
+def test_corpus_stages(tmp_path):
+    """The CPU stages on a few standard library files: manifest, held-out prompts, a tokenizer that
+    AutoTokenizer loads, the token streams and the prompts the GPU stages read."""
+    work = tmp_path / "work"
+    record = build.build(work, tmp_path / "pair", TINY, until="tokens")
+    assert record["done"] == ["corpus", "tokenizer", "tokens"]
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert sum(e["held_out"] for e in manifest["files"]) == TINY.files_per_split
+    tokenizer = AutoTokenizer.from_pretrained(work / "target")
+    prompt = json.loads((work / "prompts.json").read_text())[0]
+    assert prompt["file"] in {e["path"] for e in manifest["files"] if e["held_out"]}
+    assert tokenizer.decode(tokenizer(prompt["text"])["input_ids"]) == prompt["text"]
+    stream = np.load(work / "train_tokens.npy")
+    assert stream.max() < TINY.vocab_size and (stream == tokenizer.eos_token_id).sum() == TINY.files_per_split
+    regen = [json.loads(line) for line in (work / "regen_prompts_greedy.jsonl").read_text().splitlines()]
+    assert regen and all(0 < len(r["input_ids"]) for r in regen)
+    with pytest.raises(ValueError, match="other settings"):
+        build.build(work, tmp_path / "pair", build.BuildConfig(), until="tokens")
+
+
+def test_first_lines_and_held_out_rule():
+    text = "a = 1\nbb = 2\nccc = 3\n"
+    assert corpus.first_lines(text, 13) == corpus.first_lines(text, 20)[:13] == "a = 1\nbb = 2\n"
+    assert corpus.first_lines(text, 3) == "a ="  # one line at least, cut to fit
+    assert corpus.lines_from(text, 2, 100) == "ccc = 3\n"
+    assert corpus.is_held_out("chunk.py") and not corpus.is_held_out("os.py")
+
+
+CFG = TINY.target_config()
+
+
+def test_next_token_loss_is_transformers_loss(tmp_path):
+    """Our loss on exported random weights equals Qwen3ForCausalLM(labels=...).loss; the export loads in both."""
+    params = pretrain.init_params(CFG, seed=3)
+    export_hf(tmp_path, CFG, params, "float32", eos_token_id=0)
+    windows = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 17)).astype(np.int32)
+    hf = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers shifts the labels itself; causal, so the last input changes no loss term
+        theirs = hf(torch.tensor(windows).long(), labels=torch.tensor(windows).long()).loss.item()
+    ours = float(pretrain.next_token_loss(params, CFG, jnp.asarray(windows)))
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    loaded = eagle3_jax.load_target(tmp_path, dtype="float32", progress=False)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), loaded.params, params))
+
+
+def test_pretraining_resumes_exactly(tmp_path):
+    """Four updates at once equal one update, a stop (time budget 0), then three more from the checkpoint; the
+    loss falls and the held-out loss is logged at each checkpoint."""
+    stream = np.tile(np.arange(40, dtype=np.uint16), 100)  # learnable within a few updates
+    config = pretrain.PretrainConfig(seq_len=16, batch_size=2, steps=4, warmup_steps=1, learning_rate=1e-2)
+    straight = pretrain.pretrain(CFG, stream, tmp_path / "a", config, log_every=1, held_out=stream[:100])
+    first = pretrain.pretrain(CFG, stream, tmp_path / "b", config, time_budget_s=0)
+    assert int(first.step) == 1
+    resumed = pretrain.pretrain(CFG, stream, tmp_path / "b", config)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), straight.params, resumed.params))
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 4 and losses[-1] < losses[0] and any("held_out_loss" in x for x in lines)
+    with pytest.raises(ValueError, match="other settings"):
+        other = pretrain.PretrainConfig(seq_len=16, batch_size=2, steps=5, warmup_steps=1)
+        pretrain.pretrain(CFG, stream, tmp_path / "b", other)
+
+
+def test_drafter_data_is_one_length(tmp_path):
+    """Regenerated records cut to drafter_seq_len (short ones left out) and as many plain-text windows."""
+    b = build.Build(tmp_path, TINY, deadline=float("inf"))
+    span = TINY.drafter_seq_len
+    records = [{"input_ids": list(range(n)), "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (span + 9, span, 5)]
+    build._write_jsonl(tmp_path / "regen_greedy.jsonl", records)
+    np.save(tmp_path / "train_tokens.npy", np.arange(500, dtype=np.uint16))
+    samples = [json.loads(x) for x in b._drafter_data().read_text().splitlines()]
+    assert [len(s["input_ids"]) for s in samples] == [span] * 4
+    assert samples[0]["loss_mask"] == records[0]["loss_mask"][:span] and "loss_mask" not in samples[3]
