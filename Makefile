@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m eagle3_jax.demo
+	JAX_PLATFORMS=cpu $(PY) -m eagle3_jax.demo
 
 # ruff first (seconds), then the suite on two workers (one per core; each test file stays on one worker,
 # so a module's fixtures are built once); pytest's last line gives its time, --durations the slowest tests.

@@ -677,12 +677,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b",
                         help="the target's shapes: dense Qwen3-8B, or Qwen3-30B-A3B (MoE; benchmarks/bench_moe.py)")
-    parser.add_argument("--routing", choices=("random", "local"), default="random",
+    parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
     args = parser.parse_args(argv)
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
+    moe = args.model == "qwen3-30b-a3b"
+    if args.routing is not None and not moe:
+        parser.error("--routing is for --model qwen3-30b-a3b")
+    if moe and args.kernels is not None and len(args.kernels) > 1:
+        parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
     plan = tiny_plan() if tiny else qwen3_8b_plan()
     on_gpu = jax.default_backend() == "gpu"
@@ -690,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
-    if args.model == "qwen3-30b-a3b":
+    if moe:
         return _main_moe(args, tiny, kernels, dtype, out)
     bench = Bench(plan, kernels, args.budget_s, dtype, out, rounds_per_call=args.rounds_per_call)
     bench.with_peer = not args.no_peer
@@ -740,7 +745,7 @@ def _main_moe(args, tiny: bool, kernels: tuple[str, ...], dtype, out: Path) -> i
     bench.results.update(versions=versions(), plan={"tiny": tiny, "model": args.model,
                                                      "target": dataclasses.asdict(plan.base.target),
                                                      "drafter": dataclasses.asdict(plan.base.drafter)})
-    results = bench.run(args.routing)
+    results = bench.run(args.routing or "random")
     bench.save()
     try:
         plot(results, out / "bench.png")

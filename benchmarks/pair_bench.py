@@ -3,8 +3,9 @@ its tau, and what that tau would buy at Qwen3-8B shapes.
 
     python -m benchmarks.pair_bench --out DIR [--pair eagle3_jax/demo/pair] [--tiny]
 
-* end to end: Engine.generate on the pair's held-out demo prompts (batch 1: each prompt alone; batch 8: eight
-  together), spec off and at each gamma, after a warm-up request of the same shapes; tokens/s and tau.
+* end to end: Engine.generate on the pair's held-out demo prompts, the first lines of library modules (batch 1:
+  each prompt alone; batch 8: eight together), spec off and at each gamma, after a warm-up request of the
+  same shapes; tokens/s and tau.
 * projection: at Qwen3-8B shapes (random bf16 weights, 1024 cached tokens, batch 1) the spec-off step and the
   gamma-3 round are timed as the engine runs them (benchmarks/bench.py); the speedup this pair's tau would give
   there is tau x step / round. --tiny uses bench.py's tiny plan instead (a CPU dry run).
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     target = eagle3_jax.load_target(args.pair / "target", dtype=args.dtype, progress=False)
     drafter = eagle3_jax.load_drafter(args.pair / "drafter", target, dtype=args.dtype)
     tokenizer = load_tokenizer(args.pair / "target")
-    texts = [p["text"].rstrip("\n") for p in json.loads((args.pair / "prompts.json").read_text())]
+    texts = [p["text"].rstrip("\n") for p in json.loads((args.pair / "prompts.json").read_text()) if p["demo"]]
     prompts = [tokenizer(t)["input_ids"] for t in texts[:8]]
     results = {"device": jax.devices()[0].device_kind, "versions": bench.versions(), "dtype": args.dtype,
                "max_new_tokens": args.max_new_tokens}

@@ -11,7 +11,8 @@ in one fixed order with one accumulator per tile; there is no split-K. Row m's r
 x[m], the weight and the tuning (which depends on the weight's shape only).
 
 One program per block of `block_n` weight rows: it streams its [block_n, K] slab once, block_k columns at
-a time, and multiplies each slab tile into every row tile, so the weight is read once for all M rows.
+a time, and multiplies each slab tile into every row tile, so the weight is read once for all the rows of
+a call (up to MAX_ROWS).
 Rows past M are masked off on load (zeros, no memory traffic) and on store.
 
 Lowering: Pallas' Triton backend, like the attention kernels (see pallas_kernels/__init__.py);
@@ -31,9 +32,11 @@ from pallas_kernels import _common
 
 ROW_TILE = 16  # rows per dot: Triton's smallest tensor-core tile
 # Rows per call: a program holds every row tile of a K step in shared memory, (rows + block_n) x block_k
-# elements per pipeline stage, so the rows are bounded (more rows take further calls, each row computed as
-# in any other call). With the defaults, 3 buffered stages of 64 rows fit Hopper's 227 KiB in bf16 (block_k
-# 256) and float32 (block_k 128); float32 at block_k 256 was refused on the H200 (288 KiB requested).
+# elements per pipeline stage, so the rows are bounded. More rows take further calls, each row computed as in
+# any other call, each call reading the weight again (a verify of more than 64 rows pays the weight's bytes
+# more than once). Triton keeps num_stages - 1 = 3 stages in flight: with 64 rows that is 192 KiB, inside
+# Hopper's 227 KiB, in bf16 (block_k 256) and in float32 (block_k 128); float32 at block_k 256 asked the H200
+# for 288 KiB and was refused.
 MAX_ROWS = 64
 
 
@@ -123,8 +126,8 @@ def skinny_matmul(x, w, *, out_dtype=None, interpret: bool = False, **static_tun
     result type), accumulated in float32. Every row's result is the same whatever the number of rows.
     static_tuning: fields of SkinnyConfig (defaults from the weight's shape)."""
     N, K = w.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"x {x.shape} does not fit weight {w.shape}")
+    if x.shape[-1] != K or x.size == 0:
+        raise ValueError(f"x {x.shape} does not fit weight {w.shape}, or has no rows")
     if N % 16 or K < 16:
         raise ValueError(f"weight {w.shape}: N must be a multiple of 16 and K >= 16 (Triton block shapes)")
     if x.dtype != w.dtype:

@@ -31,10 +31,15 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
-def test_bench_refuses_bad_rounds_per_call(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
+    (["--routing", "local"], "--routing is for --model qwen3-30b-a3b"),
+    (["--model", "qwen3-30b-a3b", "--kernels", "xla", "pallas"], "measures one --kernels choice"),
+])
+def test_bench_refuses_bad_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--tiny", "--rounds-per-call", "0"])
-    assert exit_info.value.code == 2 and "--rounds-per-call must be >= 1, got 0" in capsys.readouterr().err
+        bench.main(["--tiny"] + argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_compare_reports_the_first_difference_and_its_margin(tmp_path):

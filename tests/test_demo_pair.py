@@ -75,7 +75,8 @@ def test_demo_output_is_spec_off_output(capsys):
     summary = demo_main(["--prompts", "2", "--max-new-tokens", "24"])
     out = capsys.readouterr().out
     assert out.count("(held out)") == 2 and "output identical to spec off" in out
-    assert summary["tau"] > 1.5 and summary["sampled_tau"] >= 1.0
+    # A drafter that had learnt nothing would give tau 1; this one gives 3.2 greedy and 1.44 sampled here.
+    assert summary["tau"] > 2.5 and summary["sampled_tau"] > 1.2
 
 
 def test_pair_bench_dry_run(tmp_path):

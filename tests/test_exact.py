@@ -6,6 +6,7 @@ The current decode attention fails the same kernel check: the check can fail. On
 kernels run in Pallas' interpreter; tests/test_exact_gpu.py runs the same checks on a GPU.
 """
 
+import dataclasses
 import importlib
 import json
 
@@ -130,6 +131,9 @@ def test_exact_engine_speculation_is_spec_off_bit_for_bit_in_bfloat16():
     assert all(len(r.token_ids) == PLAN.new_tokens for r in spec)
     with pytest.raises(ValueError, match="exact must be a bool"):
         eagle3_jax.Engine(target, max_len=64, exact="yes")
+    odd_vocab = dataclasses.replace(target, config=dataclasses.replace(target.config, vocab_size=250))
+    with pytest.raises(ValueError, match=r"multiple of 16 .*lm_head 250"):  # refused before any tracing
+        eagle3_jax.Engine(odd_vocab, max_len=64, exact=True)
 
 
 def test_bench_exact_dry_run(tmp_path):

@@ -183,6 +183,8 @@ REFUSALS = [
     (FUSED, lambda f: edit_config(f, mlp_only_layers=[2]), "mlp_only_layers holds 2"),
     (FUSED, lambda f: edit_config(f, use_sliding_window=True), "use_sliding_window"),
     (FUSED, lambda f: edit_config(f, architectures=["Qwen3ForCausalLM"]), "not a Qwen3 or Qwen3-MoE"),
+    (FUSED, lambda f: edit_config(f, num_local_experts=None), "malformed MoE fields"),
+    (FUSED, lambda f: edit_config(f, mlp_only_layers="0,1"), "mlp_only_layers is not a list"),
 ]
 
 

@@ -128,6 +128,8 @@ class Engine:
                              f"got {cfg.head_dim}")
         if exact and cfg.moe is not None:
             raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
+        if exact:
+            _check_exact_shapes(cfg)
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
@@ -287,6 +289,18 @@ class Engine:
         settings = _sampling_settings(B, temperature, top_k, top_p, seed)
         inputs = jax.device_put(host if settings is None else host + (settings,))
         return inputs, np.minimum(max_new, self.max_len - lengths)
+
+
+def _check_exact_shapes(cfg) -> None:
+    """exact=True's matmul (pallas_kernels/skinny_matmul.py) needs every target weight's output size to be a
+    multiple of 16 and its input size at least 16."""
+    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    outputs = {"q/k/v": (cfg.num_heads + 2 * cfg.num_kv_heads) * H, "o": D, "gate/up": 2 * I, "down": D,
+               "lm_head": cfg.vocab_size}
+    bad = [f"{name} {n}" for name, n in outputs.items() if n % 16] + [
+        f"input {k}" for k in (D, cfg.num_heads * H, I) if k < 16]
+    if bad:
+        raise ValueError(f"exact=True needs target weights with outputs a multiple of 16 and inputs >= 16: {bad}")
 
 
 def bucket_length(length: int, max_len: int) -> int:

@@ -1,4 +1,4 @@
-"""`make demo` (`python -m eagle3_jax.demo`): the shipped demo pair on the CPU, with real text.
+"""`make demo` (`python -m eagle3_jax.demo`): the shipped demo pair, with real text (on the CPU in `make demo`).
 
 The pair (eagle3_jax/demo/pair, built by eagle3_jax/demo/build.py) is a 6-layer Qwen3 trained from scratch on
 the Python standard library's sources and its EAGLE-3 drafter. For a few prompts cut from files that were
@@ -39,10 +39,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.num_draft_tokens < 1:
+        parser.error("--prompts, --max-new-tokens and --num-draft-tokens must be positive")
+
+    import jax
 
     import eagle3_jax
     from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 
+    # float32 at full precision wherever it runs (a GPU's float32 matmuls default to TF32), as the pair was built.
+    jax.config.update("jax_default_matmul_precision", "highest")
     target = eagle3_jax.load_target(args.pair / "target", dtype="float32", progress=False)
     drafter = eagle3_jax.load_drafter(args.pair / "drafter", target, dtype="float32")
     tokenizer = load_tokenizer(args.pair / "target")
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\033[1m{tokenizer.decode(r.token_ids)}\033[0m\n")
     tau, hist = _tau(spec)
     tokens = sum(len(r.token_ids) for r in plain)
-    print(f"greedy, {len(prompts)} prompts x {max_new} new tokens, batched, float32 on the CPU:")
+    print(f"greedy, {len(prompts)} prompts x {max_new} new tokens, batched, float32 on {jax.devices()[0].device_kind}:")
     print(f"  spec off         : {tokens / t_plain:7.1f} tokens/s")
     print(f"  gamma {gamma} (EAGLE-3): {tokens / t_spec:7.1f} tokens/s, tau {tau:.2f}, "
           f"accepted drafts per round {hist}; output identical to spec off")

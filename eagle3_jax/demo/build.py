@@ -3,8 +3,9 @@ library's sources, and its EAGLE-3 drafter trained with `eagle3-jax train` on th
 
     python -m eagle3_jax.demo.build --work DIR [--out eagle3_jax/demo/pair] [--deadline-s S]
 
-Stages, each skipped when its output is already in DIR, so a build stopped by --deadline-s (or killed)
-continues where it was when run again with the same DIR:
+Stages, each skipped when its output is already in DIR, so a build stopped by --deadline-s (no stage starts
+after it; pre-training stops at it, checkpointed) or killed continues where it was when run again with the
+same DIR:
   corpus      the library's .py files (`corpus.py`), their manifest, the held-out prompts
   tokenizer   a byte-level BPE trained with `tokenizers` on the training files (AutoTokenizer reads it)
   tokens      the training and held-out files as token streams, documents joined by <|endoftext|>
@@ -71,9 +72,17 @@ class BuildConfig:
     files_per_split: int = 0  # 0: every file; otherwise a small trial build on this many files per split
     seed: int = 0
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("files_per_split", "seed", "sampled_share") and not value > 0:
+                raise ValueError(f"BuildConfig.{f.name} must be positive, got {value!r}")
+        if self.vocab_size > 65535:
+            raise ValueError("BuildConfig.vocab_size must fit the uint16 token streams (at most 65535)")
+
     @classmethod
     def tiny(cls) -> "BuildConfig":
-        """A build that runs through every stage on the CPU in under a minute (for tests)."""
+        """A trial build through every stage on a few files: a few minutes on a CPU (`--tiny`)."""
         return cls(vocab_size=384, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16,
                    intermediate_size=64, max_position_embeddings=256, seq_len=64, batch_size=4, pretrain_epochs=0.5,
                    prompt_chars=80, prompts_per_file=1, regen_max_new_tokens=8, regen_batch_size=8,
@@ -114,6 +123,8 @@ class Build:
         times = self.record.setdefault("stage_seconds", {})
         if name in self.record.setdefault("done", []):
             return
+        if self.left() <= 0:  # a stage that has started runs to its end; only pre-training stops inside
+            raise _Deadline
         start = time.perf_counter()
         finished = fn()
         times[name] = round(times.get(name, 0.0) + time.perf_counter() - start, 1)
@@ -194,8 +205,6 @@ class Build:
                     records[kind].append({"input_ids": tok.encode(text).ids})
         for kind, recs in records.items():
             _write_jsonl(self.work / f"regen_prompts_{kind}.jsonl", recs)
-        prompts = json.loads((self.work / "prompts.json").read_text())[:c.eval_prompts]
-        _write_jsonl(self.work / "eval_prompts.jsonl", [{"text": p["text"].rstrip("\n")} for p in prompts])
 
     def target(self):
         import jax
@@ -217,7 +226,8 @@ class Build:
         self.record["pretrain_steps"] = steps
         self.record["target_held_out_loss"] = round(pretrain.evaluate_loss(params, cfg, held_out, c.seq_len), 4)
         self.record["pretrain_curve"] = _jsonl(self.work / "pretrain" / "metrics.jsonl")
-        # bfloat16, as shipped: every later stage runs the weights the demo runs.
+        # bfloat16, as shipped: every later stage runs the weights the demo runs (the held-out loss above is the
+        # float32 master weights').
         export_hf(self.work / "target", cfg, params, "bfloat16", eos_token_id=self._tok().token_to_id(EOS))
 
     def regenerate(self):
@@ -260,6 +270,8 @@ class Build:
                     samples.append({"input_ids": r["input_ids"][:span], "loss_mask": r["loss_mask"][:span]})
         regenerated = len(samples)
         stream, rng = np.load(self.work / "train_tokens.npy"), np.random.default_rng(c.seed)
+        if stream.size <= span:
+            raise ValueError(f"the training stream has {stream.size} tokens, not more than drafter_seq_len {span}")
         offsets = rng.integers(0, stream.size - span, int(c.raw_chunks_per_record * regenerated))
         samples += [{"input_ids": stream[o:o + span].tolist()} for o in offsets]
         _write_jsonl(self.work / "drafter_data.jsonl", samples)
@@ -342,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.demo.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, type=Path, help="working folder; rerun with it to continue")
     parser.add_argument("--out", type=Path, default=PAIR, help="where the finished pair goes")
-    parser.add_argument("--deadline-s", type=float, default=float("inf"), help="stop cleanly after this long")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"),
+                        help="start no stage after this long, and stop pre-training cleanly at it")
     parser.add_argument("--until", choices=STAGES, default="ship",
                         help="stop after this stage (the corpus stages need no GPU: run them where the corpus is)")
-    parser.add_argument("--tiny", action="store_true", help="a trial build on a few files, in minutes on a CPU")
+    parser.add_argument("--tiny", action="store_true", help="a trial build on a few files: minutes on a CPU")
     args = parser.parse_args(argv)
     config = BuildConfig.tiny() if args.tiny else BuildConfig()
     record = build(args.work, args.out, config, args.deadline_s, args.until)

@@ -73,8 +73,8 @@ def manifest(files: list[SourceFile]) -> dict:
 
 
 def first_lines(text: str, max_chars: int) -> str:
-    """Whole lines from the start of text, as many as fit in max_chars (at least one, cut if it alone is
-    longer), ending with the newline."""
+    """Whole lines from the start of text, with their newlines, as many as fit in max_chars; at least one,
+    cut to max_chars if it alone is longer."""
     out = ""
     for line in text.splitlines(keepends=True):
         if out and len(out) + len(line) > max_chars:

@@ -202,10 +202,16 @@ def _parse_moe(raw: dict[str, Any], where: str) -> MoeConfig:
     """The MoE fields of a `qwen3_moe` config.json. transformers 5 writes `num_local_experts` for
     `num_experts`. `output_router_logits` and `router_aux_loss_coef` only add a training loss, so
     inference ignores them; what would change the computation and is not implemented is refused."""
-    layers = int(raw["num_hidden_layers"])
-    experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
-    top_k, step = int(raw["num_experts_per_tok"]), int(raw.get("decoder_sparse_step", 1))
-    mlp_only = tuple(sorted(int(i) for i in raw.get("mlp_only_layers") or ()))
+    try:
+        layers = int(raw["num_hidden_layers"])
+        experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+        top_k, step = int(raw["num_experts_per_tok"]), int(raw.get("decoder_sparse_step", 1))
+        mlp_only_raw = raw.get("mlp_only_layers") or []
+        if not isinstance(mlp_only_raw, list):
+            raise ValueError("mlp_only_layers is not a list")
+        mlp_only = tuple(sorted(int(i) for i in mlp_only_raw))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: malformed MoE fields ({e})") from None
     if raw.get("shared_expert_intermediate_size"):
         raise CheckpointError(f"{where}: shared_expert_intermediate_size (a Qwen2-MoE shared expert) is not supported")
     if experts < 1:

@@ -137,7 +137,8 @@ def windows_at(stream: np.ndarray, config: PretrainConfig, index: int) -> np.nda
 
 
 def evaluate_loss(params: dict, cfg: Qwen3Config, stream: np.ndarray, seq_len: int, max_windows: int = 64) -> float:
-    """Mean next-token loss over consecutive, non-overlapping windows of a held-out stream (float32)."""
+    """Mean next-token loss over the first max_windows consecutive, non-overlapping windows of a held-out
+    stream, computed in float32 from the parameters given."""
     span = seq_len + 1
     count = min(len(stream) // span, max_windows)
     if count == 0:
@@ -167,7 +168,8 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
     if latest is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-    start, clock = time.perf_counter(), time.perf_counter()
+    start = time.perf_counter()
+    clock, since = start, int(state.step)  # tokens/s counts the updates since the last line, timed alone
     try:
         for index in range(int(state.step), config.steps):
             state, metrics = jit_train_step(state, jnp.asarray(windows_at(stream, config, index)), cfg=cfg,
@@ -175,28 +177,29 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
             done = index + 1
             if done % log_every == 0 or done == config.steps:
                 m = jax.device_get(metrics)
-                now = time.perf_counter()
-                line = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                        "lr": float(m["lr"]), "tokens_per_s": log_every * config.batch_size * config.seq_len
-                        / (now - clock)}
-                clock = now
-                with open(out_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(line) + "\n")
-                print(json.dumps(line), flush=True)
+                tokens = (done - since) * config.batch_size * config.seq_len
+                _log(out_dir, {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                               "lr": float(m["lr"]), "tokens_per_s": tokens / (time.perf_counter() - clock)})
+                clock, since = time.perf_counter(), done
             out_of_time = time.perf_counter() - start > time_budget_s
             if done % checkpoint_every == 0 or done == config.steps or out_of_time:
                 manager.save(done, args=ocp.args.StandardSave(state))
                 if held_out is not None:
-                    line = {"step": done, "held_out_loss": evaluate_loss(state.params, cfg, held_out, config.seq_len)}
-                    with open(out_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(line) + "\n")
-                    print(json.dumps(line), flush=True)
+                    _log(out_dir, {"step": done,
+                                   "held_out_loss": evaluate_loss(state.params, cfg, held_out, config.seq_len)})
+                clock, since = time.perf_counter(), done
             if out_of_time:
                 break
     finally:
         manager.wait_until_finished()
         manager.close()
     return state
+
+
+def _log(out_dir: Path, line: dict) -> None:
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    print(json.dumps(line), flush=True)
 
 
 def _check_run(out_dir: Path, cfg: Qwen3Config, config: PretrainConfig) -> None:
