@@ -36,10 +36,10 @@ def _timed_generate(engine, prompts, max_new, stops) -> tuple[list, float]:
     return results, time.perf_counter() - start
 
 
-def end_to_end(target, drafter, prompts, gammas, max_new, stops) -> list[dict]:
+def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8)) -> list[dict]:
     rows = []
     max_len = max(len(p) for p in prompts) + max_new + max(gammas) + 2
-    for batch in (1, 8):
+    for batch in batches:
         groups = [[p] for p in prompts[:4]] if batch == 1 else [prompts[:8]]
         for gamma in (0,) + tuple(gammas):
             engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 3,
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), default=[1, 8])
     parser.add_argument("--tiny", action="store_true", help="the projection at bench.py's tiny plan (CPU dry run)")
     args = parser.parse_args(argv)
     if 3 not in args.gammas:
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": jax.devices()[0].device_kind, "versions": bench.versions(), "dtype": args.dtype,
                "max_new_tokens": args.max_new_tokens}
     results["end_to_end"] = end_to_end(target, drafter, prompts, args.gammas, args.max_new_tokens,
-                                       eos_stop_ids(tokenizer))
-    tau3 = next(r["tau"] for r in results["end_to_end"] if r["batch"] == 1 and r["gamma"] == 3)
+                                       eos_stop_ids(tokenizer), tuple(args.batches))
+    tau3 = next(r["tau"] for r in results["end_to_end"] if r["batch"] == args.batches[0] and r["gamma"] == 3)
     results["projection"] = projection(tau3, args.tiny)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pair_bench.json").write_text(json.dumps(results, indent=1))

@@ -168,7 +168,8 @@ DATA_PARALLEL = textwrap.dedent("""
 
 
 def test_four_virtual_devices_give_the_loss_of_one(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py), plus 4 devices
+    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL, str(tmp_path)], capture_output=True, text=True,
                           env=env, cwd=Path(__file__).parent.parent, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
