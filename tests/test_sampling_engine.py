@@ -101,10 +101,10 @@ def sample_first_three(engine, settings_list, seed0: int) -> list[np.ndarray]:
 # (temperature, top_k, top_p): plain, top-k, top-p, both, spread over the configurations below. The
 # filters themselves are checked against transformers on many more settings in test_sampling.py.
 PLAIN_07, TOPK_10, TOPP_13, BOTH_10 = (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (1.0, 8, 0.85)
-CONFIGS = [  # (gamma, proposal, settings): two settings share a batch, their rows side by side
+CONFIGS = [  # (gamma, proposal, settings); gamma 2 lies between these and is left out for the suite's time
     (0, "argmax", [TOPP_13]),
-    (1, "argmax", [PLAIN_07, BOTH_10]), (3, "argmax", [TOPK_10]),
-    (1, "sample", [TOPK_10, TOPP_13]), (3, "sample", [BOTH_10]),
+    (1, "argmax", [PLAIN_07]), (3, "argmax", [TOPK_10]),
+    (1, "sample", [TOPK_10]), (3, "sample", [BOTH_10]),
 ]
 
 
