@@ -119,7 +119,7 @@ def test_accept_lengths_match_independent_simulation(world, target_kind, drafter
         assert result.accept_lengths == expected[: len(result.accept_lengths)]
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 7])  # 3: the seed review's case (L=97)
+@pytest.mark.parametrize("gamma", GAMMAS)
 @pytest.mark.parametrize("drafter_kind, target_kind", [("constant", "constant"), ("random", "random")])
 def test_cache_edge(world, gamma, drafter_kind, target_kind):
     """Every start length within gamma + 2 of max_len: no error, output equal to spec-off."""
