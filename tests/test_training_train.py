@@ -68,7 +68,7 @@ def test_regenerated_data_is_the_targets_greedy_output(world):
 
 def test_training_raises_tau_and_the_export_loads_in_specforge(world, tmp_path):
     folder, target = world
-    config = small_config(steps=150, eval_data=(str(folder / "eval.jsonl"),), eval_gammas=(3,),
+    config = small_config(steps=90, log_every=30, eval_data=(str(folder / "eval.jsonl"),), eval_gammas=(3,),
                           eval_max_new_tokens=32)
     cfg = step.drafter_config(target.config, V)
     untrained = evaluate.as_drafter(cfg, step.init_params(cfg, 0), np.zeros(V, np.int32), jnp.float32)
