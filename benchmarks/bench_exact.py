@@ -4,7 +4,7 @@ Sections (`--sections` picks; no new row starts after `--budget-s`; the step's r
 the verify at batch 1 run first, then the matmul table, then the other step rows, then agreement):
   step       the engine's spec-off step (one target token, argmax, commit; rounds_per_call rounds to a
              call, reported per round) at batch 1, 8 and 32, and the verify of 4 tokens (one call each) at
-             batch 1 and 8, at KV length 1024: the exact kernels against today's default ("pallas"), each
+             batch 1 and 8, at KV length 1024: the exact kernels against the default ("pallas"), each
              against its floor (the weights and live KV it must read, over the copy rate measured here),
              as bench.py's tables (a) and (b) count it
   matmul     pallas_kernels.skinny_matmul against XLA's current choice (layers.linear: a row reduction for
@@ -211,7 +211,7 @@ def matmul_section(run: Run, tparams, tunings: list[dict]) -> None:
 
 
 def _matmul(x, w, name: str, impl: str, tuning: dict | None):
-    """One weight's product as the step computes it: with `impl` "xla", today's op (layers.linear, or the
+    """One weight's product as the step computes it: with `impl` "xla", the default op (layers.linear, or the
     lm_head's einsum); with "pallas", the skinny kernel the exact steps run, at the given tuning."""
     out_dtype = jnp.float32 if name == "lm_head" else None
     if impl == "xla":
@@ -252,7 +252,7 @@ def agreement_section(run: Run) -> None:
 
 def summary(results: dict) -> str:
     lines = [f"{results['versions']['device']}, jax {results['versions']['jax']}, copy {results['copy_tbps']:.2f} "
-             f"TB/s, today's kernels: {results['kernels']}"]
+             f"TB/s, default kernels: {results['kernels']}"]
     for section in ("step", "verify"):
         for r in results.get(section, []):
             lines.append(f"{section:6s} b{r['batch']:<3d} kv {r['kv_len']} exact={r['exact']!s:5s} "

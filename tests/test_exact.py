@@ -88,7 +88,7 @@ def test_invariant_attention_rows_do_not_depend_on_T_or_B(dtype):
 
     assert _close(invariant(q, k, v, start), pallas_kernels.attention_reference(q, k, v, start, scale=0.25), dtype)
     assert _rows_that_differ(invariant, q, k, v, start) == 0
-    if dtype == "bfloat16":  # today's kernel, whose splits depend on T and B, fails the same check
+    if dtype == "bfloat16":  # the default decode kernel, whose splits depend on T and B, fails the same check
         def split_by_length(*args):
             return pallas_kernels.decode_attention(*args, scale=0.25, interpret=True, block_k=16, wave_slots=12)
 
