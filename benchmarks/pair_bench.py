@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -26,14 +25,7 @@ import numpy as np
 import eagle3_jax
 from benchmarks import bench
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
-from eagle3_jax.demo import PAIR
-
-
-def _timed_generate(engine, prompts, max_new, stops) -> tuple[list, float]:
-    engine.generate(prompts, max_new, stops)  # compiles every shape the timed request uses
-    start = time.perf_counter()
-    results = engine.generate(prompts, max_new, stops)
-    return results, time.perf_counter() - start
+from eagle3_jax.demo import PAIR, timed_generate
 
 
 def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8)) -> list[dict]:
@@ -46,7 +38,7 @@ def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8))
                                        max_len=max_len)
             tokens, seconds, accepts = 0, 0.0, []
             for group in groups:
-                results, s = _timed_generate(engine, group, max_new, stops)
+                results, s = timed_generate(engine, group, max_new, stops)
                 tokens += sum(len(r.token_ids) for r in results)
                 seconds += s
                 accepts += [a for r in results for a in r.accept_lengths]

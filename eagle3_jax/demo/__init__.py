@@ -4,3 +4,14 @@
 from pathlib import Path
 
 PAIR = Path(__file__).parent / "pair"  # the shipped pair: target/, drafter/, prompts.json, manifest.json, record.json
+
+
+def timed_generate(engine, prompts, max_new_tokens, stop_token_ids, **sampling):
+    """engine.generate's results and seconds for a request, timed after a first run of the same request
+    (which compiles every shape it uses)."""
+    import time
+
+    engine.generate(prompts, max_new_tokens, stop_token_ids, **sampling)
+    start = time.perf_counter()
+    results = engine.generate(prompts, max_new_tokens, stop_token_ids, **sampling)
+    return results, time.perf_counter() - start

@@ -12,19 +12,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
-from eagle3_jax.demo import PAIR
-
-
-def _timed(engine, prompts, max_new, stops, **sampling):
-    engine.generate(prompts, max_new, stops, **sampling)  # compile outside the timing
-    start = time.perf_counter()
-    results = engine.generate(prompts, max_new, stops, **sampling)
-    return results, time.perf_counter() - start
+from eagle3_jax.demo import PAIR, timed_generate
 
 
 def _tau(results) -> tuple[float, dict]:
@@ -58,9 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     gamma, max_new = args.num_draft_tokens, args.max_new_tokens
     max_len = max(map(len, prompts)) + max_new + gamma + 2
 
-    plain, t_plain = _timed(eagle3_jax.Engine(target, max_len=max_len), prompts, max_new, stops)
+    plain, t_plain = timed_generate(eagle3_jax.Engine(target, max_len=max_len), prompts, max_new, stops)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len)
-    spec, t_spec = _timed(engine, prompts, max_new, stops)
+    spec, t_spec = timed_generate(engine, prompts, max_new, stops)
     if [r.token_ids for r in spec] != [r.token_ids for r in plain]:
         raise SystemExit("speculative output differs from spec-off output")
     for p, ids, r in zip(chosen, prompts, plain):
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  gamma {gamma} (EAGLE-3): {tokens / t_spec:7.1f} tokens/s, tau {tau:.2f}, "
           f"accepted drafts per round {hist}; output identical to spec off")
 
-    sampled, _ = _timed(engine, prompts[:1], max_new, stops, temperature=0.7, seed=0)
+    sampled, _ = timed_generate(engine, prompts[:1], max_new, stops, temperature=0.7, seed=0)
     s_tau, s_hist = _tau(sampled)
     print(f"\nsampled at temperature 0.7 (seed 0), gamma {gamma}: tau {s_tau:.2f}, accepted drafts {s_hist}")
     print(chosen[0]["text"].rstrip("\n"), end="")
