@@ -22,6 +22,7 @@ import optax
 
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.training.trainer import checkpoint_manager
 
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm")
 INIT_STD = 0.02  # transformers' Qwen3 initializer_range
@@ -162,8 +163,7 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_run(out_dir, cfg, config)
     state = init_state(cfg, config)
-    manager = ocp.CheckpointManager((out_dir / "checkpoints").absolute(),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    manager = checkpoint_manager(out_dir)
     latest = manager.latest_step()
     if latest is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

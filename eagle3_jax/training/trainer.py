@@ -150,7 +150,8 @@ def _batch(run: _Run, config: TrainConfig, index: int) -> batching.Batch:
     return batching.assemble(run.samples, run.plan(config, epoch)[i], config.batch_size, run.seq_len)
 
 
-def _checkpoints(out_dir: Path):
+def checkpoint_manager(out_dir: Path):
+    """Orbax checkpoints under out_dir/checkpoints, the latest two kept (the drafter's and `pretrain`'s)."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
@@ -249,7 +250,7 @@ def train_drafter(target: Target, data: str | os.PathLike | Sequence[str | os.Pa
     out_dir = Path(out_dir)
     run, d2t = _prepare(target, data, config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manager = _checkpoints(out_dir)
+    manager = checkpoint_manager(out_dir)
     state = _initial_state(run, config, d2t, manager, out_dir)
     bar = None
     if config.progress:
