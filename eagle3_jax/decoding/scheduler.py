@@ -1,0 +1,123 @@
+"""The host loop over a pool of slots: prompts are admitted into free slots in input order, calls of rounds
+run over the whole pool, and each device operation's one transfer is read in the order it was dispatched.
+
+Device operations are dispatched ahead of the host (JAX returns before the device finishes) and queued;
+the host reads their outputs first in, first out, so a slot's tokens are always attributed to the prompt
+that held it when the operation was dispatched. A slot freed by the host is refilled by an admission
+dispatched after every operation already queued: the rounds in flight see the finished row frozen.
+
+While some row surely needs another call (more tokens left than a call can emit), the next call is
+dispatched before the current one's transfer is waited on, so the device does not idle on the host. When
+prompts are waiting for slots, it is dispatched early only if no row can run out of budget in the current
+call, so that a slot is not left idle for a whole extra call before its refill.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from eagle3_jax.decoding.request import Request
+from eagle3_jax.decoding.round_output import RoundOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one device operation reported for one prompt."""
+
+    prompt: int  # the prompt's index in the request
+    tokens: list[int]  # the tokens it emitted
+    round: tuple[list[int], list[int], int] | None  # a speculative round's (drafts, target choices, accepted)
+    finished: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The engine's device operations, each dispatched asynchronously but `fetch`."""
+
+    empty: Callable  # (rows, request) -> state of `rows` free slots built for the request's widths
+    admit: Callable  # (state, request, slots) -> (state, packed first tokens)
+    rounds: Callable  # (state) -> (state, packed rounds [R, N, ...])
+    fetch: Callable  # (packed) -> np.ndarray, the one transfer of an operation
+
+
+def admission_rows(count: int, pool: int) -> int:
+    """The rows a prefill of `count` prompts runs: a power of two, at most the pool, so few shapes compile."""
+    return min(1 << (count - 1).bit_length(), pool)
+
+
+def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: int, max_len: int,
+        speculative: bool, prefill_tokens: int) -> Iterator[Event]:
+    """Decodes every prompt of `request` through `pool` slots; yields events in the order operations ran.
+    prefill_tokens: the most prompt tokens (rows x padded length) one admission prefills at once."""
+    P = request.num_rows
+    owner = np.full((pool,), -1)  # the prompt each slot holds (host view), -1 when free
+    finished = np.zeros((P,), bool)
+    left = request.budget(max_len).astype(np.int64)  # tokens each prompt may still emit
+    queue: collections.deque = collections.deque()  # (kind, packed, owners at dispatch)
+    state = ops.empty(pool, request)
+    next_prompt = 0
+    most_per_call = rounds_per_call * (gamma + 1)
+
+    def admit():
+        nonlocal state, next_prompt
+        free = np.flatnonzero(owner < 0)
+        while len(free) and next_prompt < P:
+            take = _admission(request, next_prompt, len(free), pool, max_len, prefill_tokens)
+            rows = admission_rows(len(take), pool)
+            slots = np.full((rows,), pool, np.int32)  # padding rows go to slot `pool`: dropped
+            slots[: len(take)] = free[: len(take)]
+            state, packed = ops.admit(state, request.take(take, rows, max_len), slots)
+            owner[free[: len(take)]] = take
+            queue.append(("admit", packed, np.array(take)))
+            free, next_prompt = free[len(take):], next_prompt + len(take)
+
+    def dispatch_rounds():
+        nonlocal state
+        state, packed = ops.rounds(state)
+        queue.append(("rounds", packed, owner.copy()))
+
+    admit()
+    dispatch_rounds()
+    while queue:
+        kind, packed, owners = queue.popleft()
+        busy = owner >= 0
+        if kind == "rounds" and not any(k == "rounds" for k, _, _ in queue) and busy.any():
+            need = left[owner[busy]] > most_per_call
+            if need.all() if next_prompt < P else need.any():
+                dispatch_rounds()
+        outputs = ops.fetch(packed)
+        rows = [outputs] if kind == "admit" else list(outputs)
+        for packed_round in rows:
+            out = RoundOutput.unpack(packed_round, gamma)
+            for row, prompt in enumerate(owners.tolist()):
+                if prompt < 0 or finished[prompt]:
+                    continue
+                new = out.tokens[row]
+                left[prompt] -= len(new)
+                detail = None
+                if kind == "rounds" and speculative:
+                    detail = (out.drafts[row].tolist(), out.choices[row].tolist(), int(out.accepted[row]))
+                if out.done[row]:
+                    finished[prompt] = True
+                    owner[owner == prompt] = -1
+                yield Event(prompt, new, detail, bool(out.done[row]))
+        if next_prompt < P and (owner < 0).any():
+            admit()
+        if (owner >= 0).any() and not any(k == "rounds" for k, _, _ in queue):
+            dispatch_rounds()
+
+
+def _admission(request: Request, start: int, free: int, pool: int, max_len: int, prefill_tokens: int) -> list[int]:
+    """The prompts of the next admission: from `start` in input order, at most `free`, and as many as one
+    prefill of at most prefill_tokens padded tokens holds (always at least one)."""
+    take = [start]
+    while len(take) < free and start + len(take) < request.num_rows:
+        candidate = take + [start + len(take)]
+        if admission_rows(len(candidate), pool) * request.padded_length(candidate, max_len) > prefill_tokens:
+            break
+        take = candidate
+    return take

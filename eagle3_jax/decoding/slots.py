@@ -1,0 +1,40 @@
+"""A fixed pool of decoding slots on the device: its state is allocated once, and prompts are prefilled into
+free slots while the other slots keep their rows.
+
+The pool is a `DecodeState` of N rows. A free slot is a row that is done (frozen: rounds change nothing it
+owns). Admitting M prompts prefills them as a batch of M rows, exactly as a request of those prompts alone
+would, and scatters each row into its slot; entries of a slot's caches past its new length are stale and
+never read. Rows padding M up to a bucket target slot N, out of range, so their scatter is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.decoding import spec_round
+
+
+def empty(tparams, dparams, stop_ids, sampling=None, *, spec: spec_round.StepSpec) -> spec_round.DecodeState:
+    """N free slots (N = stop_ids' rows): the state prefill builds for N rows, zeroed and done.
+    stop_ids [N, P] and sampling fix the widths and the build; their values are not kept."""
+    N = stop_ids.shape[0]
+    tokens = jnp.zeros((N, 1), jnp.int32)
+    lengths = jnp.ones((N,), jnp.int32)
+    prefill = functools.partial(spec_round.prefill, spec=spec)
+    shapes, _ = jax.eval_shape(prefill, tparams, dparams, tokens, lengths, lengths, stop_ids, sampling)
+    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return dataclasses.replace(state, done=jnp.ones((N,), bool))
+
+
+def admit(tparams, dparams, state: spec_round.DecodeState, tokens, prompt_lengths, max_new, stop_ids, sampling,
+          slots, *, spec: spec_round.StepSpec):
+    """Prefills tokens [M, Tp] (right-padded prompts) and writes row i into slot slots[i] of the pool;
+    a slot index >= N drops its row. Returns (the pool's new state, prefill's packed first tokens [M, ...])."""
+    fresh, packed = spec_round.prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, sampling,
+                                       spec=spec)
+    merged = jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"), state, fresh)
+    return merged, packed
