@@ -159,8 +159,8 @@ def test_round_updates_caches_in_place(world):
     """The round donates its state: the caches it was given are consumed, not copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    inputs, _ = engine._prepare(PROMPTS, 8, ())
-    state, _ = engine_lib.jit_prefill(target.params, drafter.params, *inputs, spec=engine.spec)
+    request = jax.device_put(engine.request(PROMPTS, 8))
+    state, _ = engine_lib.jit_prefill(target.params, drafter.params, request, spec=engine.spec)
     new_state, _ = engine_lib.jit_rounds(target.params, drafter.params, state, spec=engine.spec, num_rounds=4)
     assert all(x.is_deleted() for x in state.target_cache.k + state.target_cache.v + state.draft_cache.k)
     assert not any(x.is_deleted() for x in new_state.target_cache.k)
