@@ -107,20 +107,22 @@ def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_t
 
 def test_next_call_dispatched_early_only_when_needed(model_and_target):
     """While some row surely needs another call, it is dispatched before this call's tokens are fetched
-    (the device never waits on the host); near the end it is dispatched only if the tokens say so."""
+    (the device never waits on the host); near the end it is dispatched only if the tokens say so. The
+    first call follows the prefill at once when some row's budget needs a round after its first token."""
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call, 1 token per round
     for max_new, expected in [
         # 12 tokens: prefill + 11 rounds; 7 tokens are left when call 2 is fetched: call 3 went early.
-        (12, ["transfer", "call", "call", "transfer", "call", "transfer", "transfer"]),
-        # 6 tokens: prefill + 5 rounds; 5 left when call 1 is fetched, which can emit 4: call 2 is
-        # dispatched once call 1's tokens show rows still running.
-        (6, ["transfer", "call", "call", "transfer", "transfer"]),
-        (2, ["transfer", "call", "transfer"]),
+        (12, ["call", "transfer", "call", "transfer", "call", "transfer", "transfer"]),
+        # 6 tokens: prefill + 5 rounds; 5 left when call 1 is fetched, which can emit 4: call 2 goes early,
+        # and it is the last.
+        (6, ["call", "transfer", "call", "transfer", "transfer"]),
+        (2, ["call", "transfer", "transfer"]),
+        (1, ["transfer"]),  # the prefill's token is all: no call
     ]:
         results = engine.generate(PROMPTS, max_new_tokens=max_new)
         assert [len(r.token_ids) for r in results] == [max_new] * 3
-        assert [kind for kind, _ in engine.device_events] == ["prefill"] + expected, max_new
+        assert [kind for kind, _ in engine.device_events] == ["allocate", "prefill"] + expected, max_new
 
 
 def test_engine_refuses_bad_settings(model_and_target):

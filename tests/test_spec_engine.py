@@ -155,14 +155,19 @@ def test_stops_and_max_new_inside_accepted_spans(world):
         assert result.token_ids == full.token_ids[:cut] and result.finish_reason == "length"
 
 
-def test_round_updates_caches_in_place(world):
-    """The round donates its state: the caches it was given are consumed, not copied."""
+def test_round_and_admission_update_caches_in_place(world):
+    """The round and the pool's admission donate their state: the caches they were given are consumed,
+    not copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    request = jax.device_put(engine.request(PROMPTS, 8))
-    state, _ = engine_lib.jit_prefill(target.params, drafter.params, request, spec=engine.spec)
-    new_state, _ = engine_lib.jit_rounds(target.params, drafter.params, state, spec=engine.spec, num_rounds=4)
-    assert all(x.is_deleted() for x in state.target_cache.k + state.target_cache.v + state.draft_cache.k)
+    params = (target.params, drafter.params)
+    request = engine.request(PROMPTS, 8)
+    pool = engine_lib.jit_empty(*params, jax.device_put(request.take([], 3, 64)), spec=engine.spec)
+    state, _ = engine_lib.jit_admit(*params, pool, jax.device_put(request), jax.device_put(np.arange(3, dtype=np.int32)),
+                                    spec=engine.spec)
+    new_state, _ = engine_lib.jit_rounds(*params, state, spec=engine.spec, num_rounds=4)
+    for old in (pool, state):
+        assert all(x.is_deleted() for x in old.target_cache.k + old.target_cache.v + old.draft_cache.k)
     assert not any(x.is_deleted() for x in new_state.target_cache.k)
 
 
@@ -189,7 +194,8 @@ def test_no_call_runs_in_vain_at_the_end(world):
     (result,) = engine.generate([PROMPTS[0]], 30)
     assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
     assert [kind for kind, _ in engine.device_events] == [
-        "prefill", "transfer", "call", "call", "transfer", "call", "transfer", "transfer", "call", "transfer"]
+        "allocate", "prefill", "call", "transfer", "call", "transfer", "call", "transfer", "transfer", "call",
+        "transfer"]
 
 
 @pytest.mark.parametrize("rounds_per_call", [1, 2, 5])
@@ -206,24 +212,26 @@ def test_rounds_per_call_changes_nothing(world, rounds_per_call):
     got, default = (engines[k].generate(prompts, **kwargs) for k in (rounds_per_call, 4))
     assert got == default
     assert [r.finish_reason for r in default] == ["stop", "length", "length", "length"]
-    # Streams yield the same chunks: none for the rounds of a call after every row is done.
+    # Streams yield the same (prompt, tokens) chunks, none empty, and none after a row is done.
     chunks = [list(engines[k].stream(prompts, 15, kwargs["stop_token_ids"])) for k in (rounds_per_call, 4)]
-    assert chunks[0] == chunks[1] and all(any(chunk) for chunk in chunks[1])
+    assert chunks[0] == chunks[1] and all(tokens for _, tokens in chunks[1])
+    assert [sum((c for i, c in chunks[1] if i == p), []) for p in range(len(prompts))] == [
+        r.token_ids for r in default]
 
 
 def test_abandoned_stream_leaves_engine_usable(world):
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     stream = engine.stream(PROMPTS, 30)
-    first = [next(stream), next(stream)]
-    assert all(len(chunk) == len(PROMPTS) for chunk in first)
+    first = [next(stream) for _ in range(4)]
+    assert [i for i, _ in first] == [0, 1, 2, 0] and all(tokens for _, tokens in first)  # prefill, then a round
     del stream
     again = engine.generate(PROMPTS, 30)
     fresh = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128).generate(PROMPTS, 30)
     assert again == fresh
-    # The stream's chunks concatenate to the generated tokens.
+    # The stream's (prompt, tokens) chunks concatenate to the generated tokens.
     chunks = list(engine.stream(PROMPTS, 30))
-    assert [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))] == [r.token_ids for r in fresh]
+    assert [sum((c for i, c in chunks if i == p), []) for p in range(len(PROMPTS))] == [r.token_ids for r in fresh]
 
 
 def test_trace_records_drafts_and_target_choices(world):

@@ -1,9 +1,10 @@
-"""The host side: a checked request (request.py), prefill, then one jitted call of rounds after another.
+"""The host side: a checked request (request.py) decoded through a pool of slots (scheduler.py, slots.py):
+prompts are prefilled into free slots in input order and one jitted call of rounds after another runs over
+the pool, so any number of prompts runs in the pool's memory.
 
-Each call's outputs come back in one small device-to-host transfer. While some row surely needs another
-call, it is dispatched before that transfer is waited on, so the device does not idle on the host; near
-the end it is dispatched only if the tokens say so. Stop checks run on the device; rounds run after every
-row is done change nothing and are dropped. `Engine.device_events` records what the latest request did.
+Each device operation's outputs come back in one small device-to-host transfer (prefill's first tokens,
+or a call's rounds). Stop checks run on the device; rounds run after every row is done change nothing and
+are dropped. `Engine.device_events` records what the latest request did.
 
 The jitted steps are module-level: their static configuration (`StepSpec`) is a hashable argument, so
 every Engine of the same configuration, and every request of the same shapes, reuses one compilation.
@@ -17,16 +18,17 @@ a sampled row and handles greedy rows beside them. Each compiles once, when firs
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding import scheduler, slots, spec_round
 from eagle3_jax.decoding.request import Request, is_int
 from eagle3_jax.decoding.request import bucket_length as bucket_length  # training/batching.py's prompt buckets
-from eagle3_jax.decoding.round_output import RoundOutput
 from eagle3_jax.models import kernels as kernels_lib
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
@@ -37,6 +39,12 @@ DEFAULT_PROPOSAL = "argmax"
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False
+# Engine(max_batch=None) takes the slots that fit, at most this many: beyond it a step's cost grows with the
+# batch about as fast as its tokens do (BENCHMARKS.md), and every slot's KV is held for max_len.
+MAX_DEFAULT_BATCH = 256
+# The most padded prompt tokens (rows x bucket) one admission prefills at once: bounds prefill's working
+# memory (activations, attention scores) whatever the pool size.
+PREFILL_TOKENS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +67,8 @@ class Result:
 
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
-jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",))
+jit_empty = jax.jit(slots.empty, static_argnames=("spec",))
+jit_admit = jax.jit(slots.admit, static_argnames=("spec",), donate_argnames=("state",))
 jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
 
 
@@ -70,7 +79,7 @@ class Engine:
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
-                 proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT):
+                 proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None):
         """rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
@@ -81,7 +90,10 @@ class Engine:
         exact: the target's decode and verify steps run kernels whose result for a token does not depend
         on how many tokens or rows share the step (eagle3_jax/models/kernels.py, EXACT), so greedy
         speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
-        the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow)."""
+        the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow).
+        max_batch: the slots of the pool every request decodes through (a request of fewer prompts takes
+        fewer). None: as many as fit (`pool_capacity`), at most MAX_DEFAULT_BATCH; a pool that cannot fit is
+        refused here, before anything is allocated."""
         cfg = target.config
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -105,6 +117,8 @@ class Engine:
         if exact:
             _check_exact_shapes(cfg)
         self.target, self.drafter, self.max_len = target, drafter, max_len
+        self.max_batch = _check_pool(max_batch, pool_capacity(target, drafter, max_len),
+                                     slot_bytes(target, drafter, max_len))
         self._rounds_per_call = int(rounds_per_call)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         self._spec = spec_round.StepSpec(
@@ -126,10 +140,22 @@ class Engine:
         """The build a request runs: the sampling one when some row samples."""
         return self._sampling_spec if request.samples else self._spec
 
-    def _call_prefill(self, request: Request):
-        self.device_events.append(("prefill", ()))
-        spec = self._sampling_prefill_spec if request.samples else self._spec
-        return jit_prefill(self.target.params, self._draft_params, jax.device_put(request), spec=spec)
+    def _ops(self, request: Request) -> scheduler.Ops:
+        """The device operations of a request's build, each recorded in `device_events`."""
+        spec = self._build(request)
+        prefill_spec = self._sampling_prefill_spec if request.samples else self._spec
+        params = (self.target.params, self._draft_params)
+
+        def empty(rows, template):
+            self.device_events.append(("allocate", (rows,)))
+            return jit_empty(*params, jax.device_put(template.take([], rows, self.max_len)), spec=prefill_spec)
+
+        def admit(state, rows, slot_ids):
+            self.device_events.append(("prefill", ()))
+            return jit_admit(*params, state, jax.device_put(rows), jax.device_put(slot_ids), spec=prefill_spec)
+
+        return scheduler.Ops(empty=empty, admit=admit, rounds=lambda state: self._call_rounds(state, spec),
+                             fetch=self._fetch)
 
     def _call_rounds(self, state, spec: spec_round.StepSpec):
         """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
@@ -157,43 +183,67 @@ class Engine:
         return self.drafter.params if self.drafter is not None else None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None, trace: bool = False) -> list[Result]:
-        """Continuation of each prompt (token ids); see `Result`.
+                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None, trace: bool = False,
+                 progress: bool | None = None) -> list[Result]:
+        """Continuation of each prompt (token ids), in input order; see `Result`. Any number of prompts
+        runs through the engine's pool of `max_batch` slots: a finished row's slot takes the next prompt.
 
         temperature, top_k, top_p, seed: each a scalar for every prompt or a list with one per prompt.
         temperature 0 is greedy (the argmax; the other settings are then ignored); else the row samples
         from the target's distribution filtered as transformers' generate does (temperature, then top-k,
         then top-p; top_k 0 and top_p 1 mean no filter). seed None draws fresh entropy; an int in
         [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
-        settings and seed give the same tokens whatever the other rows. Bad values raise ValueError before
-        any device work.
+        settings and seed give the same tokens whatever the other rows and whichever slot it runs in.
+        Bad values raise ValueError before any device work.
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
-        the round's one transfer either way, so tracing adds no device work and no transfer."""
-        tokens = [[] for _ in prompts]
-        accepts = [[] for _ in prompts]
-        traces = [[] for _ in prompts]
-        reasons = ["length"] * len(prompts)
+        the round's one transfer either way, so tracing adds no device work and no transfer.
+        progress: a progress bar (prompts done, tokens/s) on stderr; None shows it when there are more
+        prompts than slots."""
+        results: list[Result | None] = [None] * len(prompts)
+        for i, result in self.as_completed(prompts, max_new_tokens, stop_token_ids, temperature=temperature,
+                                           top_k=top_k, top_p=top_p, seed=seed, trace=trace, progress=progress):
+            results[i] = result
+        return results
+
+    def as_completed(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     stop_token_ids: Sequence[int] = (), *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                     trace: bool = False, progress: bool | None = False) -> Iterator[tuple[int, Result]]:
+        """(prompt index, Result) for each prompt as it finishes; the arguments are `generate`'s. Safe to
+        abandon at any point. A bad request raises here, before any device work."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
-        for out, live in self._rounds(request):
-            accepted, done = out.accepted.tolist(), out.done.tolist()
-            for i, new in enumerate(out.tokens):
-                tokens[i].extend(new)
-                if live[i]:
-                    accepts[i].append(accepted[i])
+        return self._completed(request, trace, progress)
+
+    def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
+        P = request.num_rows
+        tokens, accepts, traces = ([[] for _ in range(P)] for _ in range(3))
+        bar = _progress_bar(P, self._pool_rows(request), progress)
+        try:
+            for event in self._events(request):
+                tokens[event.prompt].extend(event.tokens)
+                if event.round is not None:
+                    drafted, target, accepted = event.round
+                    accepts[event.prompt].append(accepted)
                     if trace:
-                        traces[i].append(RoundTrace(out.drafts[i].tolist(), out.choices[i].tolist(), accepted[i]))
-                if done[i] and new and request.is_stop(i, new[-1]):
-                    reasons[i] = "stop"
-        return [Result(t, r, a, tr if trace else None) for t, r, a, tr in zip(tokens, reasons, accepts, traces)]
+                        traces[event.prompt].append(RoundTrace(drafted, target, accepted))
+                if bar is not None:
+                    bar.add(len(event.tokens), event.finished)
+                if event.finished:
+                    i, new = event.prompt, tokens[event.prompt]
+                    reason = "stop" if new and request.is_stop(i, new[-1]) else "length"
+                    yield i, Result(new, reason, accepts[i], traces[i] if trace else None)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-               *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[list[list[int]]]:
-        """Yields, once per round, the new tokens of each prompt; the settings are `generate`'s. Safe to
-        abandon at any point. A bad request raises here, before the first chunk is asked for."""
+               *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[tuple[int, list[int]]]:
+        """Yields (prompt index, new tokens) as the pool's rounds emit them, in the order they ran; the
+        settings are `generate`'s. Safe to abandon at any point, after which the engine serves the next
+        request as usual. A bad request raises here, before the first chunk is asked for."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
-        return (out.tokens for out, _ in self._rounds(request))
+        return ((e.prompt, e.tokens) for e in self._events(request) if e.tokens)
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
@@ -204,35 +254,15 @@ class Engine:
                              vocab_size=self.target.config.vocab_size, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)
 
-    def _rounds(self, request: Request):
-        """Yields (round output, which rows were live in a speculative round) for prefill and each round."""
+    def _pool_rows(self, request: Request) -> int:
+        """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""
+        return min(self.max_batch, request.num_rows)
+
+    def _events(self, request: Request) -> Iterator[scheduler.Event]:
         self.device_events = []
-        spec = self._build(request)
-        state, packed = self._call_prefill(request)
-        out = RoundOutput.unpack(self._fetch(packed), self.num_draft_tokens)
-        yield out, [False] * len(out.tokens)
-        left = request.budget(self.max_len) - np.array([len(t) for t in out.tokens])
-        pending = self._call_rounds(state, spec) if not out.done.all() else None
-        most_per_call = self.rounds_per_call * (self.num_draft_tokens + 1)
-        while pending is not None:
-            state, packed = pending
-            # Dispatch the next call before waiting for this one's tokens when some row is sure to need it
-            # (more tokens left than this call can emit); near the end, wait and dispatch only if needed: a
-            # pause of one dispatch instead of a call of rounds run in vain. A stop token can still waste one.
-            following = None
-            if np.any((left > most_per_call) & ~out.done):
-                following = self._call_rounds(state, spec)
-            for round_packed in self._fetch(packed):
-                speculative_rows = (~out.done & (self.drafter is not None)).tolist()
-                out = RoundOutput.unpack(round_packed, self.num_draft_tokens)
-                left -= np.array([len(t) for t in out.tokens])
-                yield out, speculative_rows
-                if out.done.all():
-                    break
-            if out.done.all():
-                pending = None
-            else:
-                pending = following if following is not None else self._call_rounds(state, spec)
+        return scheduler.run(self._ops(request), request, self._pool_rows(request), gamma=self.num_draft_tokens,
+                             rounds_per_call=self.rounds_per_call, max_len=self.max_len,
+                             speculative=self.drafter is not None, prefill_tokens=PREFILL_TOKENS)
 
 
 def _check_exact_shapes(cfg) -> None:
@@ -245,3 +275,68 @@ def _check_exact_shapes(cfg) -> None:
         f"input {k}" for k in (D, cfg.num_heads * H, I) if k < 16]
     if bad:
         raise ValueError(f"exact=True needs target weights with outputs a multiple of 16 and inputs >= 16: {bad}")
+
+
+def slot_bytes(target: Target, drafter, max_len: int) -> int:
+    """Device bytes one slot of a pool holds: its target and drafter KV caches at max_len, twice (an
+    admission prefills into fresh caches beside the pool's before writing them into their slots)."""
+    def kv(cfg, layers):
+        return 2 * layers * cfg.num_kv_heads * max_len * cfg.head_dim
+    dtype = target.params["embed"].dtype
+    per_row = kv(target.config, target.config.num_layers) + (kv(drafter.config, 1) if drafter is not None else 0)
+    return 2 * per_row * dtype.itemsize
+
+
+def free_device_bytes() -> int:
+    """Free memory of the default device: the allocator's limit less what is in use where it reports them
+    (GPUs), else the host's available memory (the CPU backend allocates from it)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_capacity(target: Target, drafter, max_len: int) -> int:
+    """The slots that fit in 90% of the device's free memory (`free_device_bytes`, `slot_bytes`)."""
+    return int(0.9 * free_device_bytes()) // slot_bytes(target, drafter, max_len)
+
+
+def _check_pool(max_batch, capacity: int, slot: int) -> int:
+    if max_batch is None:
+        if capacity < 1:
+            raise ValueError("not even one slot of max_len fits in the device's free memory: lower max_len")
+        return min(capacity, MAX_DEFAULT_BATCH)
+    if not is_int(max_batch) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+    if max_batch > capacity:
+        raise ValueError(f"max_batch={max_batch} slots do not fit: {capacity} fit in the device's free memory "
+                         f"at {slot / 2**20:.1f} MiB a slot")
+    return int(max_batch)
+
+
+class _ProgressBar:
+    """Prompts done and tokens/s on stderr (tqdm)."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, unit="prompt", desc="generating")
+        self._tokens, self._start = 0, time.perf_counter()
+
+    def add(self, tokens: int, finished: bool) -> None:
+        self._tokens += tokens
+        if finished:
+            self._bar.set_postfix(tokens_per_s=f"{self._tokens / (time.perf_counter() - self._start):.0f}",
+                                  refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _progress_bar(prompts: int, slots: int, progress: bool | None) -> _ProgressBar | None:
+    if progress is None:
+        progress = prompts > slots
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress must be a bool or None, got {progress!r}")
+    return _ProgressBar(prompts) if progress else None

@@ -50,6 +50,33 @@ class Request:
         """Whether `token` is one of the row's stop ids (not the padding)."""
         return token >= 0 and bool(np.any(self.stop_ids[row] == token))
 
+    @property
+    def num_rows(self) -> int:
+        return self.lengths.shape[0]
+
+    def padded_length(self, rows, max_len: int) -> int:
+        """The prompt bucket of these rows together: their longest prompt's."""
+        return bucket_length(max((int(self.lengths[r]) for r in rows), default=1), max_len)
+
+    def take(self, rows, num_rows: int, max_len: int) -> Request:
+        """These rows, in this order, then 1-token greedy rows up to num_rows (padding a prefill to its
+        bucket), with the prompts cut to their own bucket: a slot pool's admission."""
+        index = np.zeros((num_rows,), np.int64)
+        index[: len(rows)] = rows
+        real = np.arange(num_rows) < len(rows)
+
+        def pick(x, pad):
+            return np.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x[index], np.asarray(pad, x.dtype))
+
+        sampling = None
+        if self.sampling is not None:
+            s = self.sampling
+            sampling = SamplingParams(temperature=pick(s.temperature, 0), top_k=pick(s.top_k, 0),
+                                      top_p=pick(s.top_p, 1), seed=pick(s.seed, 0))
+        return Request(tokens=pick(self.tokens[:, : self.padded_length(rows, max_len)], 0),
+                       lengths=pick(self.lengths, 1), max_new=pick(self.max_new, 1),
+                       stop_ids=pick(self.stop_ids, -1), sampling=sampling)
+
     @classmethod
     def build(cls, prompts, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int,
               temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:

@@ -81,8 +81,9 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
         queue.append(("rounds", packed, owner.copy()))
 
     admit()
-    dispatch_rounds()
-    while queue:
+    if np.any(left[:next_prompt] > 1):  # some row surely needs a round after its prefill token
+        dispatch_rounds()
+    while queue and ((owner >= 0).any() or next_prompt < P):
         kind, packed, owners = queue.popleft()
         busy = owner >= 0
         if kind == "rounds" and not any(k == "rounds" for k, _, _ in queue) and busy.any():

@@ -16,25 +16,21 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.request import Request
 
 
-def empty(tparams, dparams, stop_ids, sampling=None, *, spec: spec_round.StepSpec) -> spec_round.DecodeState:
-    """N free slots (N = stop_ids' rows): the state prefill builds for N rows, zeroed and done.
-    stop_ids [N, P] and sampling fix the widths and the build; their values are not kept."""
-    N = stop_ids.shape[0]
-    tokens = jnp.zeros((N, 1), jnp.int32)
-    lengths = jnp.ones((N,), jnp.int32)
-    prefill = functools.partial(spec_round.prefill, spec=spec)
-    shapes, _ = jax.eval_shape(prefill, tparams, dparams, tokens, lengths, lengths, stop_ids, sampling)
+def empty(tparams, dparams, template: Request, *, spec: spec_round.StepSpec) -> spec_round.DecodeState:
+    """N free slots: the state prefill builds for the N rows of `template`, zeroed and done. The template
+    fixes the widths (stop ids) and the build (sampling settings or none); its values are not kept."""
+    shapes, _ = jax.eval_shape(functools.partial(spec_round.prefill, spec=spec), tparams, dparams, template)
     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return dataclasses.replace(state, done=jnp.ones((N,), bool))
+    return dataclasses.replace(state, done=jnp.ones(state.done.shape, bool))
 
 
-def admit(tparams, dparams, state: spec_round.DecodeState, tokens, prompt_lengths, max_new, stop_ids, sampling,
-          slots, *, spec: spec_round.StepSpec):
-    """Prefills tokens [M, Tp] (right-padded prompts) and writes row i into slot slots[i] of the pool;
-    a slot index >= N drops its row. Returns (the pool's new state, prefill's packed first tokens [M, ...])."""
-    fresh, packed = spec_round.prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, sampling,
-                                       spec=spec)
+def admit(tparams, dparams, state: spec_round.DecodeState, request: Request, slots, *,
+          spec: spec_round.StepSpec):
+    """Prefills the M rows of `request` and writes row i into slot slots[i] of the pool; a slot index >= N
+    drops its row. Returns (the pool's new state, prefill's packed first tokens [M, ...])."""
+    fresh, packed = spec_round.prefill(tparams, dparams, request, spec=spec)
     merged = jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"), state, fresh)
     return merged, packed
