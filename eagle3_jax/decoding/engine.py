@@ -47,14 +47,18 @@ class RoundTrace:
     # After each of [x_n, d_1 .. d_gamma]: a greedy row's argmax; a sampled row's accepted drafts, then the
     # token sampled after them, then the target's argmax.
     target: list[int]
-    accepted: int  # how many drafts were accepted before the first rejection
+    # How many drafts the round committed: those accepted before the first rejection, fewer when the round
+    # was cut short (by a stop token, max_new_tokens or max_len) before emitting them all.
+    accepted: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "stop" (ended at a stop token, included) or "length"
-    accept_lengths: list[int]  # per speculative round: drafted tokens accepted (0..gamma); empty when spec is off
+    # Per speculative round: the drafts it committed (0..gamma; RoundTrace.accepted); empty when spec is off.
+    # tau = mean(a + 1).
+    accept_lengths: list[int]
     rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
 
 
