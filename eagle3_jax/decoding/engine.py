@@ -39,8 +39,9 @@ DEFAULT_PROPOSAL = "argmax"
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False
-# Engine(max_batch=None) takes the slots that fit, at most this many: beyond it a step's cost grows with the
-# batch about as fast as its tokens do (BENCHMARKS.md), and every slot's KV is held for max_len.
+DEFAULT_MAX_LEN = 2048  # Engine(max_len=None)'s capacity, where the target's limit allows it
+# Engine(max_batch=None) takes the slots that fit, at most this many: every slot's KV is held for max_len,
+# and a larger batch compiles and runs steps no user of one GPU is likely to want.
 MAX_DEFAULT_BATCH = 256
 # The most padded prompt tokens (rows x bucket) one admission prefills at once: bounds prefill's working
 # memory (activations, attention scores) whatever the pool size.
@@ -55,14 +56,18 @@ class RoundTrace:
     # After each of [x_n, d_1 .. d_gamma]: a greedy row's argmax; a sampled row's accepted drafts, then the
     # token sampled after them, then the target's argmax.
     target: list[int]
-    accepted: int  # how many drafts were accepted before the first rejection
+    # How many drafts the round committed: those accepted before the first rejection, fewer when the round
+    # was cut short (by a stop token, max_new_tokens or max_len) before emitting them all.
+    accepted: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "stop" (ended at a stop token, included) or "length"
-    accept_lengths: list[int]  # per speculative round: drafted tokens accepted (0..gamma); empty when spec is off
+    # Per speculative round: the drafts it committed (0..gamma; RoundTrace.accepted); empty when spec is off.
+    # tau = mean(a + 1).
+    accept_lengths: list[int]
     rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
 
 
@@ -77,10 +82,12 @@ class Engine:
     Lossless: a greedy row's output is token for token what plain greedy decoding of the target gives,
     and a sampled row's output is distributed exactly as sampling the target alone."""
 
-    def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int = 2048,
+    def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None):
-        """rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
+        """max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
+        max_position_embeddings)).
+        rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
         proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
@@ -95,37 +102,22 @@ class Engine:
         fewer). None: as many as fit (`pool_capacity`), at most MAX_DEFAULT_BATCH; a pool that cannot fit is
         refused here, before anything is allocated."""
         cfg = target.config
-        if max_len < 2 or max_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_len must be in [2, max_position_embeddings={cfg.max_position_embeddings}], got {max_len}")
+        max_len = _check_sizes(cfg, drafter is not None, num_draft_tokens, max_len, rounds_per_call)
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
-        # More rounds than max_len can never emit a token: every round emits one per live row.
-        if not is_int(rounds_per_call) or not 1 <= rounds_per_call <= max_len:
-            raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
-        if drafter is not None and num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        if not isinstance(exact, bool):
-            raise ValueError(f"exact must be a bool, got {exact!r}")
-        if exact and not kernels_lib.pallas_attention_supports(cfg.head_dim):
-            raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), "
-                             f"got {cfg.head_dim}")
-        if exact and cfg.moe is not None:
-            raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
-        if exact:
-            _check_exact_shapes(cfg)
+        _check_exact(cfg, exact)
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self.max_batch = _check_pool(max_batch, pool_capacity(target, drafter, max_len),
                                      slot_bytes(target, drafter, max_len))
         self._rounds_per_call = int(rounds_per_call)
-        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        self.num_draft_tokens = int(num_draft_tokens) if drafter is not None else 0
         self._spec = spec_round.StepSpec(
             target=cfg,
             drafter=drafter.config if drafter is not None else None,
             gamma=self.num_draft_tokens,
-            max_len=max_len,
+            max_len=self.max_len,
             kernels=kernels,
             exact=exact,
         )
@@ -263,6 +255,35 @@ class Engine:
         return scheduler.run(self._ops(request), request, self._pool_rows(request), gamma=self.num_draft_tokens,
                              rounds_per_call=self.rounds_per_call, max_len=self.max_len,
                              speculative=self.drafter is not None, prefill_tokens=PREFILL_TOKENS)
+
+
+def _check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:
+    """Engine's int arguments, each an int (a numpy integer too, never a bool) in its range; returns
+    max_len, None resolved to the default that fits the target."""
+    limit = cfg.max_position_embeddings
+    max_len = min(DEFAULT_MAX_LEN, limit) if max_len is None else max_len
+    if not is_int(max_len) or not 2 <= max_len <= limit:
+        raise ValueError(f"max_len must be None or an int in [2, max_position_embeddings={limit}], got {max_len!r}")
+    least = 1 if has_drafter else 0
+    if not is_int(num_draft_tokens) or num_draft_tokens < least:
+        raise ValueError(f"num_draft_tokens must be an int >= {least}{' with a drafter' if has_drafter else ''}, "
+                         f"got {num_draft_tokens!r}")
+    # More rounds than max_len can never emit a token: every round emits one per live row.
+    if not is_int(rounds_per_call) or not 1 <= rounds_per_call <= max_len:
+        raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
+    return int(max_len)
+
+
+def _check_exact(cfg, exact) -> None:
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be a bool, got {exact!r}")
+    if not exact:
+        return
+    if not kernels_lib.pallas_attention_supports(cfg.head_dim):
+        raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), got {cfg.head_dim}")
+    if cfg.moe is not None:
+        raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
+    _check_exact_shapes(cfg)
 
 
 def _check_exact_shapes(cfg) -> None:

@@ -225,7 +225,9 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
             draft_cache=draft_cache.with_lengths(new_length),
             draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
         )
-    return new_state, round_output.pack(choices, drafts, num_emit, jnp.where(live, accepted, 0), done)
+    # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
+    # emits; a frozen row emits none.
+    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done)
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
