@@ -53,10 +53,15 @@ def test_stops_at_max_len(model_and_target):
         assert result.token_ids == hf_greedy(model, prompt, max_length=20, min_length=20)
 
 
-def test_prompt_filling_max_len_gives_nothing(model_and_target):
+def test_prompt_filling_max_len_is_refused(model_and_target):
+    """A prompt of max_len tokens leaves no room for a new one: refused, with its index, before device work."""
     _, tgt = model_and_target
-    (result,) = eagle3_jax.Engine(tgt, max_len=17).generate([PROMPTS[2]], max_new_tokens=5)
-    assert result.token_ids == [] and result.finish_reason == "length"
+    engine = eagle3_jax.Engine(tgt, max_len=17)
+    with pytest.raises(ValueError, match="prompt 1 has 17 tokens: it must be shorter than max_len=17"):
+        engine.generate([PROMPTS[0], PROMPTS[2]], max_new_tokens=5)
+    assert engine.device_events == []
+    (result,) = engine.generate([PROMPTS[2][:16]], max_new_tokens=5)
+    assert len(result.token_ids) == 1 and result.finish_reason == "length"
 
 
 @pytest.mark.parametrize(
@@ -65,7 +70,7 @@ def test_prompt_filling_max_len_gives_nothing(model_and_target):
         ([[]], {}, "prompt 0 is empty"),
         ([[1, 2], [3, 160]], {}, "token id 160 outside"),
         ([[1, -1]], {}, "token id -1 outside"),
-        ([list(range(1, 40))], {}, "more than max_len=32"),
+        ([list(range(1, 40))], {}, "has 39 tokens: it must be shorter than max_len=32"),
         ([], {}, "non-empty list"),
         ([1, 2, 3], {}, "prompt 0 must be a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),

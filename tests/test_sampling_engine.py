@@ -237,7 +237,7 @@ def test_cache_edge_while_sampling(world, proposal):
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len, proposal=proposal)
     rng = np.random.default_rng(gamma)
     # 6 prompts (lengths 59 .. 64): the batch of the mixed-batch test above, so its programs are reused.
-    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len + 1)]
+    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len)]
     greedy = engine.generate(prompts, 50)
     top1 = engine.generate(prompts, 50, temperature=1.0, top_k=1, seed=list(range(len(prompts))))
     sampled = engine.generate(prompts, 50, temperature=1.0, seed=list(range(len(prompts))))

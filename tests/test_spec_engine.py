@@ -141,7 +141,7 @@ def test_cache_edge(world, gamma, drafter_kind, target_kind):
     max_len = 100
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=max_len)
     rng = np.random.default_rng(gamma)
-    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len + 1)]
+    prompts = [rng.integers(0, worlds.V, size=L).tolist() for L in range(max_len - gamma - 2, max_len)]
     expected = spec_off(target, prompts, 50, max_len=max_len)
     got = engine.generate(prompts, 50)
     for p, e, g in zip(prompts, expected, got):

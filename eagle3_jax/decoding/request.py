@@ -82,17 +82,18 @@ class Request:
               temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
         """The request `Engine.generate` describes (see there), checked: ValueError on any bad value."""
         rows = _prompt_rows(prompts, max_len, vocab_size)
-        if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        stops = _stop_ids(stop_token_ids, vocab_size)
         B = len(rows)
+        budgets = _max_new(max_new_tokens, B)
+        stops = _stop_lists(stop_token_ids, B, vocab_size)
         tokens = np.zeros((B, bucket_length(max(len(p) for p in rows), max_len)), np.int32)
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = p
-        stop_ids = np.full((B, max(_STOP_SLOTS, -(-len(stops) // _STOP_SLOTS) * _STOP_SLOTS)), -1, np.int32)
-        stop_ids[:, : len(stops)] = stops
+        widest = max(len(s) for s in stops)
+        stop_ids = np.full((B, max(_STOP_SLOTS, -(-widest // _STOP_SLOTS) * _STOP_SLOTS)), -1, np.int32)
+        for i, s in enumerate(stops):
+            stop_ids[i, : len(s)] = s
         # No row can emit more than max_len tokens: the clamp keeps the int32 in range.
-        max_new = np.full((B,), min(int(max_new_tokens), max_len), np.int32)
+        max_new = np.array([min(m, max_len) for m in budgets], np.int32)
         return cls(tokens, np.array([len(p) for p in rows], np.int32), max_new, stop_ids,
                    _sampling_settings(B, temperature, top_k, top_p, seed))
 
@@ -137,8 +138,8 @@ def _prompt_rows(prompts, max_len: int, vocab_size: int) -> list[list[int]]:
         row = _token_ids(f"prompt {i}", p)
         if not row:
             raise ValueError(f"prompt {i} is empty")
-        if len(row) > max_len:
-            raise ValueError(f"prompt {i} has {len(row)} tokens, more than max_len={max_len}")
+        if len(row) >= max_len:  # the prompt and at least one new token must fit
+            raise ValueError(f"prompt {i} has {len(row)} tokens: it must be shorter than max_len={max_len}")
         if min(row) < 0 or max(row) >= vocab_size:
             bad = next(t for t in row if not 0 <= t < vocab_size)
             raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
@@ -146,12 +147,32 @@ def _prompt_rows(prompts, max_len: int, vocab_size: int) -> list[list[int]]:
     return rows
 
 
-def _stop_ids(stop_token_ids, vocab_size: int) -> list[int]:
+def _max_new(max_new_tokens, B: int) -> list[int]:
+    """max_new_tokens for every row, or one per prompt; each a positive int."""
+    budgets = []
+    for m, where in _per_row("max_new_tokens", max_new_tokens, B):
+        if not is_int(m) or m < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {m!r}{where}")
+        budgets.append(int(m))
+    return budgets
+
+
+def _stop_lists(stop_token_ids, B: int, vocab_size: int) -> list[list[int]]:
+    """The rows' stop ids: one list for every row, or a list of lists, one per prompt."""
     if not isinstance(stop_token_ids, _SEQUENCES):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r} "
+                         "(or give one list per prompt)")
+    if len(stop_token_ids) == 0 or not all(isinstance(s, _SEQUENCES) for s in stop_token_ids):
+        return [_stop_ids(stop_token_ids, vocab_size, "")] * B
+    if len(stop_token_ids) != B:
+        raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {B} prompts")
+    return [_stop_ids(s, vocab_size, f" (prompt {i})") for i, s in enumerate(stop_token_ids)]
+
+
+def _stop_ids(stop_token_ids, vocab_size: int, where: str) -> list[int]:
     bad = [t for t in list(stop_token_ids) if not is_int(t) or not 0 <= int(t) < vocab_size]
     if bad:
-        raise ValueError(f"stop token id {bad[0]!r} is not an int in the vocabulary [0, {vocab_size})")
+        raise ValueError(f"stop token id {bad[0]!r} is not an int in the vocabulary [0, {vocab_size}){where}")
     return [int(t) for t in stop_token_ids]
 
 
