@@ -157,16 +157,17 @@ def test_pool_size_is_checked_before_anything_is_allocated(world):
 
 def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory():
     """The demo pair, gamma 3: the device buffers alive stay the same in number while 2,000 prompts pass
-    through 8 slots, and the process grows by far less than one prompt's share of a whole-batch request."""
+    through 8 slots (two tokens each: the prefill's and one round's), and the process grows by far less than a
+    whole-batch request's KV."""
     target = eagle3_jax.load_target(PAIR / "target", dtype="float32", progress=False)
     drafter = eagle3_jax.load_drafter(PAIR / "drafter", target, dtype="float32")
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, max_batch=8)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, max_batch=8, rounds_per_call=1)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, target.config.vocab_size, size=int(n)).tolist() for n in rng.integers(4, 17, 2000)]
-    engine.generate(prompts[:16], 4)  # compiles
+    engine.generate(prompts[:16], 2)  # compiles
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     buffers = []
-    for n, _ in enumerate(engine.as_completed(prompts, 4)):
+    for n, _ in enumerate(engine.as_completed(prompts, 2)):
         if n % 200 == 0:
             buffers.append(len(jax.live_arrays()))
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024

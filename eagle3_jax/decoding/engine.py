@@ -84,7 +84,8 @@ class Engine:
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
-                 proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None):
+                 proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
         """max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
         max_position_embeddings)).
         rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
@@ -100,7 +101,9 @@ class Engine:
         the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow).
         max_batch: the slots of the pool every request decodes through (a request of fewer prompts takes
         fewer). None: as many as fit (`pool_capacity`), at most MAX_DEFAULT_BATCH; a pool that cannot fit is
-        refused here, before anything is allocated."""
+        refused here, before anything is allocated.
+        prefill_tokens: the most padded prompt tokens (rows x prompt bucket) one admission prefills at once,
+        which bounds prefill's working memory; a longer prompt is still prefilled, alone."""
         cfg = target.config
         max_len = _check_sizes(cfg, drafter is not None, num_draft_tokens, max_len, rounds_per_call)
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
@@ -112,6 +115,9 @@ class Engine:
         self.max_batch = _check_pool(max_batch, pool_capacity(target, drafter, max_len),
                                      slot_bytes(target, drafter, max_len))
         self._rounds_per_call = int(rounds_per_call)
+        if not is_int(prefill_tokens) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
+        self.prefill_tokens = int(prefill_tokens)
         self.num_draft_tokens = int(num_draft_tokens) if drafter is not None else 0
         self._spec = spec_round.StepSpec(
             target=cfg,
@@ -204,6 +210,8 @@ class Engine:
         abandon at any point. A bad request raises here, before any device work."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
+        if progress is not None and not isinstance(progress, bool):
+            raise ValueError(f"progress must be a bool or None, got {progress!r}")
         return self._completed(request, trace, progress)
 
     def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
@@ -211,13 +219,12 @@ class Engine:
         tokens, accepts, traces = ([[] for _ in range(P)] for _ in range(3))
         bar = _progress_bar(P, self._pool_rows(request), progress)
         try:
-            for event in self._events(request):
+            for event in self._events(request, trace):
                 tokens[event.prompt].extend(event.tokens)
-                if event.round is not None:
-                    drafted, target, accepted = event.round
-                    accepts[event.prompt].append(accepted)
-                    if trace:
-                        traces[event.prompt].append(RoundTrace(drafted, target, accepted))
+                if event.accepted is not None:
+                    accepts[event.prompt].append(event.accepted)
+                    if event.trace is not None:
+                        traces[event.prompt].append(RoundTrace(*event.trace, event.accepted))
                 if bar is not None:
                     bar.add(len(event.tokens), event.finished)
                 if event.finished:
@@ -250,11 +257,11 @@ class Engine:
         """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""
         return min(self.max_batch, request.num_rows)
 
-    def _events(self, request: Request) -> Iterator[scheduler.Event]:
+    def _events(self, request: Request, trace: bool = False) -> Iterator[scheduler.Event]:
         self.device_events = []
         return scheduler.run(self._ops(request), request, self._pool_rows(request), gamma=self.num_draft_tokens,
                              rounds_per_call=self.rounds_per_call, max_len=self.max_len,
-                             speculative=self.drafter is not None, prefill_tokens=PREFILL_TOKENS)
+                             speculative=self.drafter is not None, prefill_tokens=self.prefill_tokens, trace=trace)
 
 
 def _check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:
@@ -356,8 +363,5 @@ class _ProgressBar:
 
 
 def _progress_bar(prompts: int, slots: int, progress: bool | None) -> _ProgressBar | None:
-    if progress is None:
-        progress = prompts > slots
-    if not isinstance(progress, bool):
-        raise ValueError(f"progress must be a bool or None, got {progress!r}")
-    return _ProgressBar(prompts) if progress else None
+    show = prompts > slots if progress is None else progress
+    return _ProgressBar(prompts) if show else None

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from eagle3_jax.decoding.request import Request
+from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput
 
 
@@ -30,7 +30,8 @@ class Event:
 
     prompt: int  # the prompt's index in the request
     tokens: list[int]  # the tokens it emitted
-    round: tuple[list[int], list[int], int] | None  # a speculative round's (drafts, target choices, accepted)
+    accepted: int | None  # the drafts a speculative round committed; None for prefill and spec-off rounds
+    trace: tuple[list[int], list[int]] | None  # with trace: a speculative round's (drafts, target choices)
     finished: bool
 
 
@@ -45,19 +46,24 @@ class Ops:
 
 
 def admission_rows(count: int, pool: int) -> int:
-    """The rows a prefill of `count` prompts runs: a power of two, at most the pool, so few shapes compile."""
-    return min(1 << (count - 1).bit_length(), pool)
+    """The rows a prefill of `count` prompts runs: a power of four, at most the pool, so that few shapes
+    compile (a prefill compiles per rows x prompt bucket) while padding stays under 3/4 of a prefill."""
+    rows = 1
+    while rows < count:
+        rows *= 4
+    return min(rows, pool)
 
 
 def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: int, max_len: int,
-        speculative: bool, prefill_tokens: int) -> Iterator[Event]:
+        speculative: bool, prefill_tokens: int, trace: bool = False) -> Iterator[Event]:
     """Decodes every prompt of `request` through `pool` slots; yields events in the order operations ran.
     prefill_tokens: the most prompt tokens (rows x padded length) one admission prefills at once."""
     P = request.num_rows
     owner = np.full((pool,), -1)  # the prompt each slot holds (host view), -1 when free
     finished = np.zeros((P,), bool)
     left = request.budget(max_len).astype(np.int64)  # tokens each prompt may still emit
-    queue: collections.deque = collections.deque()  # (kind, packed, owners at dispatch)
+    # (kind, packed, (the prompt of each output row at dispatch, its slot))
+    queue: collections.deque = collections.deque()
     state = ops.empty(pool, request)
     next_prompt = 0
     most_per_call = rounds_per_call * (gamma + 1)
@@ -72,19 +78,19 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
             slots[: len(take)] = free[: len(take)]
             state, packed = ops.admit(state, request.take(take, rows, max_len), slots)
             owner[free[: len(take)]] = take
-            queue.append(("admit", packed, np.array(take)))
+            queue.append(("admit", packed, (np.array(take), free[: len(take)])))
             free, next_prompt = free[len(take):], next_prompt + len(take)
 
     def dispatch_rounds():
         nonlocal state
         state, packed = ops.rounds(state)
-        queue.append(("rounds", packed, owner.copy()))
+        queue.append(("rounds", packed, (owner.copy(), np.arange(pool))))
 
     admit()
     if np.any(left[:next_prompt] > 1):  # some row surely needs a round after its prefill token
         dispatch_rounds()
     while queue and ((owner >= 0).any() or next_prompt < P):
-        kind, packed, owners = queue.popleft()
+        kind, packed, (owners, slot_of_row) = queue.popleft()
         busy = owner >= 0
         if kind == "rounds" and not any(k == "rounds" for k, _, _ in queue) and busy.any():
             need = left[owner[busy]] > most_per_call
@@ -94,18 +100,19 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
         rows = [outputs] if kind == "admit" else list(outputs)
         for packed_round in rows:
             out = RoundOutput.unpack(packed_round, gamma)
-            for row, prompt in enumerate(owners.tolist()):
+            speculative_round = kind == "rounds" and speculative
+            accepted, done = out.accepted.tolist(), out.done.tolist()
+            drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if trace and speculative_round else ((), ())
+            for row, (prompt, slot) in enumerate(zip(owners.tolist(), slot_of_row.tolist())):
                 if prompt < 0 or finished[prompt]:
                     continue
                 new = out.tokens[row]
                 left[prompt] -= len(new)
-                detail = None
-                if kind == "rounds" and speculative:
-                    detail = (out.drafts[row].tolist(), out.choices[row].tolist(), int(out.accepted[row]))
-                if out.done[row]:
+                if done[row]:
                     finished[prompt] = True
-                    owner[owner == prompt] = -1
-                yield Event(prompt, new, detail, bool(out.done[row]))
+                    owner[slot] = -1
+                yield Event(prompt, new, accepted[row] if speculative_round else None,
+                            (drafts[row], choices[row]) if drafts else None, done[row])
         if next_prompt < P and (owner < 0).any():
             admit()
         if (owner >= 0).any() and not any(k == "rounds" for k, _, _ in queue):
@@ -115,10 +122,11 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
 def _admission(request: Request, start: int, free: int, pool: int, max_len: int, prefill_tokens: int) -> list[int]:
     """The prompts of the next admission: from `start` in input order, at most `free`, and as many as one
     prefill of at most prefill_tokens padded tokens holds (always at least one)."""
-    take = [start]
-    while len(take) < free and start + len(take) < request.num_rows:
-        candidate = take + [start + len(take)]
-        if admission_rows(len(candidate), pool) * request.padded_length(candidate, max_len) > prefill_tokens:
+    lengths = request.lengths
+    end, longest = start + 1, int(lengths[start])
+    while end - start < free and end < request.num_rows:
+        longer = max(longest, int(lengths[end]))
+        if admission_rows(end + 1 - start, pool) * bucket_length(longer, max_len) > prefill_tokens:
             break
-        take = candidate
-    return take
+        end, longest = end + 1, longer
+    return list(range(start, end))
