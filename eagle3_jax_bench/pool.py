@@ -1,0 +1,189 @@
+"""Continuous batching: many prompts through the engine's pool of slots, against fixed chunks of the same
+size (each chunk one batch, the next chunk waiting for its slowest row), and against the steady-state decode
+throughput of a full batch.
+
+    python -m eagle3_jax_bench.pool --out DIR [--model qwen3-8b | demo] [--prompts 512] [--pools 32 64]
+        [--gammas 0 3] [--lengths 128 2048] [--budgets 64 512]
+
+* model: a preset's shapes with random bf16 weights (a random drafter: tau about 1), or `demo`, the shipped
+  demo pair in float32 with prompts cut from its held-out corpus files (the standard library's sources).
+* workload: prompt lengths and max_new_tokens drawn uniformly from --lengths and --budgets (seed 0), no stop
+  ids, so every run emits the same tokens.
+* per run: tokens/s (generated tokens over the wall time, prefill and compilation included after one
+  warm-up pass of the same workload), time to first token p50/p99 (from the request's start), inter-token
+  latency p50/p99 (the gaps between one prompt's chunks: a call's rounds arrive together), peak memory
+  (the device's peak bytes in use where it reports them, else the process's peak RSS; both only grow).
+* steady state: the engine's call of rounds on a full batch from a random state at the workload's mean
+  KV length (eagle3_jax_bench/dense.py), tokens/s = batch x tokens per round (tau, from the pool run) over
+  its time per round: what a pool could reach if admissions and partly empty batches cost nothing.
+Chunked prefill is not implemented: an admission prefills its prompts whole (up to Engine.prefill_tokens
+padded tokens at once), so a long prompt's admission stalls the running rows for its prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import eagle3_jax
+from eagle3_jax.decoding.request import bucket_length
+from eagle3_jax.decoding.scheduler import admission_rows
+from eagle3_jax.models import kernels as kernels_lib
+
+from . import dense, presets
+from .core import Run, count_compilations, versions
+
+
+def random_workload(count: int, lengths: tuple[int, int], budgets: tuple[int, int], vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(lengths[0], lengths[1] + 1, count)]
+    return prompts, rng.integers(budgets[0], budgets[1] + 1, count).tolist()
+
+
+def demo_workload(count: int, lengths: tuple[int, int], budgets: tuple[int, int], tokenizer, seed: int = 0):
+    """Windows of the demo corpus' held-out files at random offsets and lengths."""
+    from eagle3_jax.demo import corpus
+
+    rng = np.random.default_rng(seed)
+    streams = [tokenizer(f.text)["input_ids"] for f in corpus.read_sources() if f.held_out]
+    streams = [s for s in streams if len(s) > lengths[1]]
+    prompts = []
+    for n in rng.integers(lengths[0], lengths[1] + 1, count):
+        s = streams[rng.integers(len(streams))]
+        start = int(rng.integers(0, len(s) - n + 1))
+        prompts.append(s[start : start + int(n)])
+    return prompts, rng.integers(budgets[0], budgets[1] + 1, count).tolist()
+
+
+def peak_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed_streams(engine, groups) -> dict:
+    """Streams each (prompts, budgets) group in turn, timing every prompt's chunks from the first start."""
+    start, first, last, gaps, tokens, accepts = time.perf_counter(), [], {}, [], 0, []
+    offset = 0
+    for prompts, budgets in groups:
+        for i, new in engine.stream(prompts, budgets):
+            now = time.perf_counter() - start
+            key = offset + i
+            if key in last:
+                gaps.append(now - last[key])
+            else:
+                first.append(now)
+            last[key] = now
+            tokens += len(new)
+        offset += len(prompts)
+    wall = time.perf_counter() - start
+    ms = 1e3
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": float(np.percentile(first, 50)) * ms, "ttft_p99_ms": float(np.percentile(first, 99)) * ms,
+            "itl_p50_ms": float(np.percentile(gaps, 50)) * ms if gaps else None,
+            "itl_p99_ms": float(np.percentile(gaps, 99)) * ms if gaps else None,
+            "peak_gib": peak_bytes() / 2**30, "accepts": accepts}
+
+
+def warm_up(engine, longest: int) -> None:
+    """Compiles every admission shape the pool can run for prompts of up to `longest` tokens (each prompt
+    bucket at each row count one prefill holds: scheduler.admission_rows) and the call of rounds, so the
+    timed runs compile nothing."""
+    pool, bucket, seen = engine.max_batch, 16, set()
+    while True:
+        length = min(bucket, longest)
+        for count in range(1, pool + 1):
+            rows = admission_rows(count, pool)
+            if rows * bucket_length(length, engine.max_len) > max(engine.prefill_tokens, bucket_length(length,
+                                                                                                      engine.max_len)):
+                break
+            if (rows, length) not in seen:
+                seen.add((rows, length))
+                engine.generate([[1] * length] * count, 2, progress=False)
+        if length == longest:
+            return
+        bucket *= 2
+
+
+def tau_of(engine, prompts, budgets) -> float:
+    results = engine.generate(prompts, budgets, progress=False)
+    accepts = [a for r in results for a in r.accept_lengths]
+    return float(np.mean(accepts) + 1) if accepts else 1.0
+
+
+def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, max_len: int, setup) -> None:
+    engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=max_len,
+                               max_batch=pool)
+    chunks = [(prompts[i : i + pool], budgets[i : i + pool]) for i in range(0, len(prompts), pool)]
+    start = time.perf_counter()
+    warm_up(engine, max(len(p) for p in prompts))
+    run.add("warm_up", {"pool": pool, "gamma": gamma, "seconds": time.perf_counter() - start})
+    for name, groups in (("pool", [(prompts, budgets)]), ("fixed_chunks", chunks)):
+        if not run.time_left(f"{name} pool={pool} gamma={gamma}"):
+            continue
+        with count_compilations() as compiles:
+            row = timed_streams(engine, groups)
+        row.pop("accepts")
+        run.add("pool", {"run": name, "pool": pool, "gamma": gamma, "prompts": len(prompts), **row,
+                         "compilations": compiles.count})
+    if setup is None or not run.time_left(f"steady pool={pool} gamma={gamma}"):
+        return
+    tau = tau_of(engine, prompts[:pool], budgets[:pool]) if gamma else 1.0
+    length = int(np.mean([len(p) for p in prompts]) + np.mean(budgets) / 2)
+    kernels = kernels_lib.default(target.config.head_dim)
+    timed = dense.engine_call(setup, pool, length, max_len, kernels, engine.rounds_per_call, gamma)
+    run.add("steady", {"pool": pool, "gamma": gamma, "kv_len": length, "tau": tau,
+                       "round_ms": timed.seconds * 1e3, "tokens_per_s": pool * tau / timed.seconds})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax_bench.pool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="qwen3-8b", help="a preset (random weights) or 'demo' (the demo pair)")
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--pools", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--gammas", type=int, nargs="+", default=[0, 3])
+    parser.add_argument("--lengths", type=int, nargs=2, default=[128, 2048])
+    parser.add_argument("--budgets", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--budget-s", type=float, default=1e9, help="no new measurement starts after this")
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or min(args.pools) < 1 or min(args.gammas) < 0 or min(args.lengths + args.budgets) < 1:
+        parser.error("--prompts, --pools, --lengths and --budgets must be positive and --gammas >= 0")
+    run = Run(args.budget_s, args.out, "pool_bench.json")
+    run.record("versions", versions())
+    if args.model == "demo":
+        from eagle3_jax.checkpoints.tokenizer import load_tokenizer
+        from eagle3_jax.demo import PAIR
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        target = eagle3_jax.load_target(PAIR / "target", dtype="float32", progress=False)
+        drafter = eagle3_jax.load_drafter(PAIR / "drafter", target, dtype="float32")
+        prompts, budgets = demo_workload(args.prompts, tuple(args.lengths), tuple(args.budgets),
+                                         load_tokenizer(PAIR / "target"))
+        setup = None
+    else:
+        plan = dense.Plan(*presets.pair(args.model), batches=(), kv_lengths=(), spec_batches=(), spec_kv_length=0,
+                          gammas=(), reps=5, inner=5, copy_bytes=0, matmul_n=0)
+        setup = dense.setup(run, plan, (kernels_lib.default(plan.target.head_dim),), jax.numpy.bfloat16)
+        target, drafter = setup.target, setup.drafter
+        prompts, budgets = random_workload(args.prompts, tuple(args.lengths), tuple(args.budgets),
+                                           target.config.vocab_size)
+    max_len = args.lengths[1] + args.budgets[1] + max(args.gammas) + 2
+    run.record("workload", {"model": args.model, "prompts": len(prompts), "lengths": args.lengths,
+                            "budgets": args.budgets, "max_len": max_len, "tokens_to_generate": int(sum(budgets))})
+    for gamma in args.gammas:
+        for pool in args.pools:
+            measure(run, target, drafter, prompts, budgets, pool, gamma, max_len, setup)
+    print(json.dumps(run.results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
