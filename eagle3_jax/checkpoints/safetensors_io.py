@@ -53,6 +53,16 @@ def _header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+def refuse_unused(where: Path, names, used: set[str]) -> None:
+    """A tensor that the config does not account for (`used` lists every name it does, and those the format
+    may ship for nothing) means config and weights disagree: refused, naming the tensors. Rotary
+    `inv_freq` buffers, which older transformers saved, are ignored anywhere."""
+    unused = sorted(n for n in names if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        raise CheckpointError(f"{where}: unused tensors: {shown} (the config does not account for them)")
+
+
 def check_tensors(folder: Path, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
     """Refuses a missing tensor, a wrong shape or a non-float dtype, naming the file and key."""
     headers = {file: _header(file) for file in sorted(set(files[n] for n in expected if n in files))}

@@ -141,6 +141,9 @@ def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True
     files = safetensors_io.weight_map(folder)
     expected = _hf_expected_shapes(cfg, files)
     safetensors_io.check_tensors(folder, files, expected)
+    # A tied checkpoint may still hold the lm_head that transformers ties to the embedding and never reads.
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    safetensors_io.refuse_unused(folder, files, {*expected, *tied})
     loaded: dict[str, jax.Array] = {}
 
     def put(name: str, array: np.ndarray) -> None:
@@ -185,14 +188,35 @@ def save_params(folder: Path, params) -> None:
 
 
 def restore_params(folder: Path, abstract):
-    """Reads folder/params into the structure, shapes and dtypes of `abstract` (ShapeDtypeStructs)."""
+    """Reads folder/params into the structure, shapes and dtypes of `abstract` (ShapeDtypeStructs); a stored
+    tensor that `abstract` has no place for, or one it lacks, is refused naming it."""
     import orbax.checkpoint as ocp
 
+    where = folder / "params"
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore((folder / "params").absolute(), abstract)
+            metadata = ckpt.metadata(where.absolute()).item_metadata
+            if metadata is None:
+                raise ValueError("its metadata is unreadable")
+            stored = leaf_names(metadata)
+            wanted = leaf_names(abstract)
+            missing = sorted(set(wanted) - set(stored))
+            if missing:
+                raise CheckpointError(f"{where}: missing tensor {missing[0]!r}")
+            safetensors_io.refuse_unused(where, stored, set(wanted))
+            return ckpt.restore(where.absolute(), abstract)
+    except CheckpointError:
+        raise
     except Exception as e:  # orbax raises many types; all mean the same thing to the user
-        raise CheckpointError(f"{folder / 'params'}: cannot restore the orbax checkpoint ({e})") from None
+        raise CheckpointError(f"{where}: cannot restore the orbax checkpoint ({e})") from None
+
+
+def leaf_names(tree) -> list[str]:
+    """A pytree's leaves as dotted names: {"layers": ({"wo": x},)} -> ["layers.0.wo"]."""
+    def name(path) -> str:
+        return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+    return [name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _load_orbax(folder: Path, cfg: Qwen3Config, dtype) -> dict:
