@@ -16,7 +16,6 @@ default (2, N//2, N-3).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -26,16 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.checkpoints import safetensors_io
-from eagle3_jax.checkpoints.target import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
+from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io
+from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
+from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models import eagle3 as drafter_lib
-from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope, read_json
+from eagle3_jax.models import weights as weights_lib
+from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope
 from eagle3_jax.models.config_fields import Fields
 from eagle3_jax.models.eagle3 import DrafterConfig
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-_FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,28 +136,6 @@ def _torch_to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _expected_shapes(cfg: DrafterConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    N, K = cfg.num_heads, cfg.num_kv_heads
-    p = prefix
-    shapes = {
-        "fc.weight": (D, cfg.feature_width),
-        p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
-        p + "post_attention_layernorm.weight": (D,),
-        p + "self_attn.q_proj.weight": (N * H, 2 * D), p + "self_attn.k_proj.weight": (K * H, 2 * D),
-        p + "self_attn.v_proj.weight": (K * H, 2 * D), p + "self_attn.o_proj.weight": (D, N * H),
-        p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D), p + "mlp.down_proj.weight": (D, I),
-        "norm.weight": (D,), "lm_head.weight": (cfg.draft_vocab_size, D),
-    }
-    if cfg.qk_norm:
-        shapes.update({p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)})
-    if cfg.fc_norm:
-        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(len(cfg.capture_layers))})
-    if cfg.norm_before_fc:
-        shapes["input_norm.weight"] = (cfg.feature_width,)
-    return shapes
-
-
 def drafter_config(raw: dict[str, Any], where: Path, shapes: dict[str, tuple[int, ...]],
                    target: Qwen3Config) -> tuple[DrafterConfig, _Layout]:
     """The drafter's config and its format's layout, read from config.json (`raw`) and checked against the
@@ -218,14 +195,20 @@ def _check_fit(where: Path, tcfg: Qwen3Config, *, target_hidden: int, vocab: int
         )
 
 
+def _float_weights(cfg: DrafterConfig, layout: _Layout, with_embed: bool) -> hf_layout.Plan:
+    """The drafter's float parameters and their tensors in this format (d2t, an integer, is read apart)."""
+    described = weights_lib.drafter_weights(cfg, layout.prefix, with_embed=with_embed)
+    return hf_layout.plan([w for w in described if w.dtype is None], ())
+
+
 def _check_weights(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray], where: Path) -> None:
-    expected = _expected_shapes(cfg, layout.prefix)
+    expected = hf_layout.expected_shapes(_float_weights(cfg, layout, with_embed=False))
     for name, shape in expected.items():
         if name not in weights:
             raise CheckpointError(f"{where}: missing tensor {name!r}")
         if weights[name].shape != shape:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {weights[name].shape}, expected {shape}")
-    safetensors_io.refuse_unused(where, weights, {*expected, "d2t", "embed_tokens.weight", *layout.ignored})
+    refuse_unused(where, weights, {*expected, "d2t", "embed_tokens.weight", *layout.ignored})
     embed_shape = (cfg.target_vocab_size, cfg.hidden_size)
     if "embed_tokens.weight" in weights and weights["embed_tokens.weight"].shape != embed_shape:
         raise CheckpointError(f"{where}: tensor 'embed_tokens.weight' has shape "
@@ -256,34 +239,10 @@ def _draft_to_target(cfg: DrafterConfig, weights: dict[str, np.ndarray], where: 
 def _params(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray], dtype, where: Path) -> dict:
     _check_weights(cfg, layout, weights, where)
     d2t = _draft_to_target(cfg, weights, where)
-    p = layout.prefix
-
-    def get(*names):
-        arrays = [weights[n] if weights[n].dtype == dtype else weights[n].astype(dtype) for n in names]
-        return jax.device_put(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0))
-
-    params = {
-        "fc": get("fc.weight"),
-        "hidden_norm": get(p + "hidden_norm.weight"),
-        "embed_norm": get(p + "input_layernorm.weight"),
-        "wqkv": get(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-        "wo": get(p + "self_attn.o_proj.weight"),
-        "mlp_norm": get(p + "post_attention_layernorm.weight"),
-        "w_gate_up": get(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        "w_down": get(p + "mlp.down_proj.weight"),
-        "final_norm": get("norm.weight"),
-        "lm_head": get("lm_head.weight"),
-        "d2t": jax.device_put(d2t),
-    }
-    if "embed_tokens.weight" in weights:
-        params["embed"] = get("embed_tokens.weight")
-    if cfg.qk_norm:
-        params["q_norm"], params["k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
-    if cfg.fc_norm:
-        params["fc_norms"] = tuple(get(f"fc_norm.{i}.weight") for i in range(len(cfg.capture_layers)))
-    if cfg.norm_before_fc:
-        params["feature_norm"] = get("input_norm.weight")
-    return params
+    float_weights = _float_weights(cfg, layout, with_embed="embed_tokens.weight" in weights)
+    cast = {name: w if w.dtype == dtype else w.astype(dtype) for name, w in weights.items()}
+    params = hf_layout.assemble(float_weights, cast, concatenate=np.concatenate)
+    return jax.device_put({**params, "d2t": d2t})
 
 
 def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> Drafter:
@@ -292,7 +251,7 @@ def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> D
     jdtype = check_dtype(dtype)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: drafter folder not found")
-    if (folder / ORBAX_MARKER).exists():
+    if (folder / orbax_io.ORBAX_MARKER).exists():
         return _load_orbax(folder, target, jdtype)
     where = folder / "config.json"
     raw = read_json(where)
@@ -301,11 +260,15 @@ def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> D
     return Drafter(cfg, _params(cfg, layout, weights, jdtype, folder), folder)
 
 
-def _config_from_json(raw: dict) -> DrafterConfig:
-    raw = dict(raw)
-    raw["rope"] = RopeConfig(**raw["rope"])
-    raw["capture_layers"] = tuple(raw["capture_layers"])
-    return DrafterConfig(**raw)
+def _config_from_json(marker: Fields) -> DrafterConfig:
+    """The DrafterConfig a converted folder's marker stores (written by `convert_drafter`)."""
+    raw = dict(marker.obj("config") or {})
+    try:
+        raw["rope"] = RopeConfig(**raw["rope"])
+        raw["capture_layers"] = tuple(raw["capture_layers"])
+        return DrafterConfig(**raw)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker.where}: malformed 'config' ({e})") from None
 
 
 def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str = "bfloat16") -> Path:
@@ -315,23 +278,21 @@ def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str
         raise CheckpointError(f"{dst}: destination already exists")
     drafter = load_drafter(src, target, dtype=dtype)
     dst.mkdir(parents=True)
-    save_params(dst, drafter.params)
+    orbax_io.save_params(dst, drafter.params)
     shutil.copy(Path(src) / "config.json", dst / "config.json")
-    marker = {"format_version": _FORMAT_VERSION, "kind": "drafter", "dtype": dtype,
-              "has_embed": "embed" in drafter.params, "config": dataclasses.asdict(drafter.config)}
-    (dst / ORBAX_MARKER).write_text(json.dumps(marker))
+    orbax_io.write_marker(dst, "drafter", dtype, has_embed="embed" in drafter.params,
+                          config=dataclasses.asdict(drafter.config))
     return dst
 
 
 def _load_orbax(folder: Path, target: Target, dtype) -> Drafter:
-    marker = read_json(folder / ORBAX_MARKER)
-    if marker.get("kind") != "drafter" or marker.get("format_version") != _FORMAT_VERSION:
-        raise CheckpointError(f"{folder / ORBAX_MARKER}: not a drafter converted by this version")
-    cfg = _config_from_json(marker["config"])
+    marker = orbax_io.read_marker(folder, "drafter")
+    cfg = _config_from_json(marker)
     _check_fit(folder, target.config, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size,
                capture=cfg.capture_layers)
-    stored = jnp.dtype(marker["dtype"])
-    params = restore_params(folder, drafter_lib.abstract_params(cfg, stored, with_embed=marker["has_embed"]))
+    stored = jnp.dtype(marker.str("dtype"))
+    described = weights_lib.drafter_weights(cfg, with_embed=marker.bool("has_embed"))
+    params = orbax_io.restore_params(folder, weights_lib.abstract_params(described, stored))
     if stored != dtype:
         params = {k: v if k == "d2t" else jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items()}
     return Drafter(cfg, params, folder)

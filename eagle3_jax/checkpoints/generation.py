@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_jax.models.config import read_json
+from eagle3_jax.checkpoints.common import read_json
 from eagle3_jax.models.config_fields import Fields
 
 GENERATION_CONFIG = "generation_config.json"

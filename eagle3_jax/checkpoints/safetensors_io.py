@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from eagle3_jax.checkpoints.common import read_json
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models.config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,16 +51,6 @@ def _header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             return out
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-
-
-def refuse_unused(where: Path, names, used: set[str]) -> None:
-    """A tensor that the config does not account for (`used` lists every name it does, and those the format
-    may ship for nothing) means config and weights disagree: refused, naming the tensors. Rotary
-    `inv_freq` buffers, which older transformers saved, are ignored anywhere."""
-    unused = sorted(n for n in names if n not in used and not n.endswith("rotary_emb.inv_freq"))
-    if unused:
-        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-        raise CheckpointError(f"{where}: unused tensors: {shown} (the config does not account for them)")
 
 
 def check_tensors(folder: Path, files: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:

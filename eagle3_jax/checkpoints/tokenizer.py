@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eagle3_jax.checkpoints.common import read_json
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models.config import read_json
 
 
 def load_tokenizer(folder: str | os.PathLike | None):

@@ -7,9 +7,7 @@ a string or a tuple of those.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 from eagle3_jax.errors import CheckpointError
@@ -183,11 +181,6 @@ class Qwen3Config:
             moe=_parse_moe(fields) if model_type == "qwen3_moe" else None,
         )
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> "Qwen3Config":
-        return cls.from_dict(read_json(Path(path)), where=str(path))
-
-
 def _refuse_unsupported(fields: Fields) -> None:
     """Flags that change the computation and that we do not implement are refused, never ignored."""
     where = fields.where
@@ -224,16 +217,3 @@ def _parse_moe(fields: Fields) -> MoeConfig:
                      moe_intermediate_size=fields.int("moe_intermediate_size", minimum=1),
                      norm_topk_prob=fields.bool("norm_topk_prob", False), decoder_sparse_step=step,
                      mlp_only_layers=mlp_only)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Reads a JSON file, turning every failure into a CheckpointError that names the file."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
