@@ -244,3 +244,13 @@ def test_bad_engine_settings_with_drafter(target, flat):
     drafter = eagle3_jax.load_drafter(flat[0], target)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         eagle3_jax.Engine(target, drafter, num_draft_tokens=0, max_len=64)
+
+
+def test_orbax_marker_disagreeing_with_its_params_names_the_unused_tensors(tmp_path, target):
+    state = oracle.random_drafter_state(BASE, 1)
+    path = oracle.write_specforge(tmp_path / "src", BASE, state, embed=torch.randn(VT, HT))
+    out = eagle3_jax.convert_drafter(path, tmp_path / "converted", target)
+    marker = json.loads((out / "eagle3_jax.json").read_text())
+    (out / "eagle3_jax.json").write_text(json.dumps({**marker, "has_embed": False}))
+    with pytest.raises(CheckpointError, match=r"params: unused tensors: embed \("):
+        eagle3_jax.load_drafter(out, target)

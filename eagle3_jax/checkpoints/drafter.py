@@ -240,7 +240,8 @@ def _params(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray],
     _check_weights(cfg, layout, weights, where)
     d2t = _draft_to_target(cfg, weights, where)
     float_weights = _float_weights(cfg, layout, with_embed="embed_tokens.weight" in weights)
-    cast = {name: w if w.dtype == dtype else w.astype(dtype) for name, w in weights.items()}
+    names = hf_layout.expected_shapes(float_weights)
+    cast = {n: weights[n] if weights[n].dtype == dtype else weights[n].astype(dtype) for n in names}
     params = hf_layout.assemble(float_weights, cast, concatenate=np.concatenate)
     return jax.device_put({**params, "d2t": d2t})
 
