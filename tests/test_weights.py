@@ -74,9 +74,13 @@ def test_default_rules_leave_every_parameter_unsharded():
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     for spec in flat_specs:
         NamedSharding(mesh, spec)  # a valid spec for a mesh
+    rules = {k: v for k, v in weights.DEFAULT_RULES.items() if k != "experts"}
+    with pytest.raises(ValueError, match="no mesh axis for logical axis 'experts'"):
+        weights.partition_specs(described, rules)
 
 
-TP = {"vocab": "tp", "heads": "tp", "qkv": "tp", "gate_up": "tp", "mlp": "tp", "experts": "ep"}
+TP = {**weights.DEFAULT_RULES, "vocab": "tp", "heads": "tp", "qkv": "tp", "gate_up": "tp", "mlp": "tp",
+      "experts": "ep"}
 
 
 def test_tp_rules_give_megatron_specs():

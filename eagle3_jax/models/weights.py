@@ -168,11 +168,22 @@ def abstract_params(weights: Iterable[Weight], dtype) -> dict:
     return build_tree((w.path, jax.ShapeDtypeStruct(w.shape, jnp.dtype(w.dtype or dtype))) for w in weights)
 
 
+# Every logical axis a weight uses. "qkv" and "gate_up" are fused output axes (q | k | v heads, gate | up
+# rows): sharding one splits the fused rows into contiguous blocks, so a tensor-parallel layout must order
+# each shard's heads or rows together first.
+LOGICAL_AXES = ("vocab", "draft_vocab", "embed", "target_embed", "features", "qkv", "heads", "head_dim",
+                "gate_up", "mlp", "experts")
 # Unsharded: every logical axis on no mesh axis (one device).
-DEFAULT_RULES: Mapping[str, str | None] = {}
+DEFAULT_RULES: Mapping[str, str | None] = {axis: None for axis in LOGICAL_AXES}
 
 
 def partition_specs(weights: Iterable[Weight], rules: Mapping[str, str | None] = DEFAULT_RULES) -> dict:
     """The PartitionSpec of every parameter, in the pytree's structure: each logical axis mapped to the mesh
-    axis `rules` gives it (None, replicated, for an axis the rules leave out)."""
-    return build_tree((w.path, PartitionSpec(*(rules.get(a) for a in w.axes))) for w in weights)
+    axis (or None) that `rules` gives it; a rules table must name every axis the weights use."""
+    def spec(w: Weight) -> PartitionSpec:
+        missing = [a for a in w.axes if a not in rules]
+        if missing:
+            raise ValueError(f"partition rules name no mesh axis for logical axis {missing[0]!r} ({w.path})")
+        return PartitionSpec(*(rules[a] for a in w.axes))
+
+    return build_tree((w.path, spec(w)) for w in weights)
