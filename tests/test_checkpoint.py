@@ -129,6 +129,13 @@ def break_corrupt_index(f):
     return "model.safetensors.index.json: not valid JSON"
 
 
+def break_index_file_name(f):
+    index = json.loads((f / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = 3
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model.safetensors.index.json: weight_map.model.norm.weight must be a file name, got 3"
+
+
 def break_not_qwen3(f):
     edit_config(f, model_type="llama", architectures=["LlamaForCausalLM"])
     return "not a Qwen3 or Qwen3-MoE model"
@@ -165,7 +172,7 @@ def break_extra_tensor_in_a_shard(f):
 BREAKERS = [break_missing_folder, break_missing_config, break_missing_shard, break_corrupt_shard,
             break_truncated_shard, break_missing_tensor, break_wrong_shape, break_corrupt_index,
             break_not_qwen3, break_sliding_window, break_rope_type, break_missing_key, break_fewer_layers,
-            break_extra_tensor_in_a_shard]
+            break_extra_tensor_in_a_shard, break_index_file_name]
 
 
 @pytest.mark.parametrize("breaker", BREAKERS, ids=lambda b: b.__name__[6:])

@@ -30,7 +30,7 @@ from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models import weights as weights_lib
-from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope
+from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope, refuse_unsupported_layer
 from eagle3_jax.models.config_fields import Fields
 from eagle3_jax.models.eagle3 import DrafterConfig
 
@@ -95,12 +95,7 @@ def _check_layer_config(layer: Fields) -> None:
     layers = layer.int("num_hidden_layers", 1)
     if layers != 1:
         raise CheckpointError(f"{where}: num_hidden_layers={layers}: only one-layer drafters are supported")
-    act = layer.str("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if layer.bool(flag, False):
-            raise CheckpointError(f"{where}: {flag}=true is not supported")
+    refuse_unsupported_layer(layer, ("attention_bias", "mlp_bias"))
     model_type = layer.str("model_type", "llama")
     if model_type not in ("llama", "qwen3"):
         raise CheckpointError(f"{where}: drafter layer type {model_type!r} is not supported (llama or qwen3)")

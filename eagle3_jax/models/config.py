@@ -183,14 +183,19 @@ class Qwen3Config:
 
 def _refuse_unsupported(fields: Fields) -> None:
     """Flags that change the computation and that we do not implement are refused, never ignored."""
-    where = fields.where
     if fields.bool("use_sliding_window", False):
-        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    if fields.bool("attention_bias", False):
-        raise CheckpointError(f"{where}: attention_bias=true is not supported")
+        raise CheckpointError(f"{fields.where}: use_sliding_window=true is not supported")
+    refuse_unsupported_layer(fields, ("attention_bias",))
+
+
+def refuse_unsupported_layer(fields: Fields, biases: tuple[str, ...]) -> None:
+    """A decoder layer (target's or drafter's) with biases or an activation other than SiLU is refused."""
+    for flag in biases:
+        if fields.bool(flag, False):
+            raise CheckpointError(f"{fields.where}: {flag}=true is not supported")
     act = fields.str("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+        raise CheckpointError(f"{fields.where}: hidden_act={act!r} is not supported (only 'silu')")
 
 
 def _parse_moe(fields: Fields) -> MoeConfig:
