@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from benchmarks import bench, measure
+from eagle3_jax_bench import bench, checks, dense, moe, profile
+from eagle3_jax_bench.core import Run
 
 
 def test_bench_smoke(tmp_path):
@@ -50,15 +51,16 @@ def test_compare_reports_the_first_difference_and_its_margin(tmp_path):
 
     from eagle3_jax.models import qwen3 as target_lib
 
-    b = bench.Bench(bench.tiny_plan(), ("xla",), budget_s=600, dtype=jnp.float32, out=tmp_path)
-    assert b._compare([[1, 2]], [[5, 6, 7]], [[5, 6, 8]]) == [{"identical": False, "tokens": 3, "first_difference": 2,
-                                                         "margin": b._margin([1, 2, 5, 6])}]
-    assert b._compare([[1]], [[4, 4]], [[4, 4]]) == [{"identical": True, "tokens": 2}]
+    s = dense.setup(Run(600, tmp_path, "bench.json"), dense.tiny_plan(), ("xla",), jnp.float32)
+    target = s.target
+    assert checks.compare(target, [[1, 2]], [[5, 6, 7]], [[5, 6, 8]]) == [
+        {"identical": False, "tokens": 3, "first_difference": 2, "margin": checks.margin(target, [1, 2, 5, 6])}]
+    assert checks.compare(target, [[1]], [[4, 4]], [[4, 4]]) == [{"identical": True, "tokens": 2}]
     tokens = [3, 1, 4, 1, 5]
-    cache = target_lib.new_cache(b.plan.target, 1, 5, jnp.float32)
-    hidden, _, _ = target_lib.forward(b.tparams, b.plan.target, jnp.asarray([tokens]), cache)
-    logits = np.sort(np.asarray(target_lib.logits(b.tparams, hidden[0, -1])))
-    assert abs(b._margin(tokens) - (logits[-1] - logits[-2])) < 1e-6
+    cache = target_lib.new_cache(s.plan.target, 1, 5, jnp.float32)
+    hidden, _, _ = target_lib.forward(s.tparams, s.plan.target, jnp.asarray([tokens]), cache)
+    logits = np.sort(np.asarray(target_lib.logits(s.tparams, hidden[0, -1])))
+    assert abs(checks.margin(target, tokens) - (logits[-1] - logits[-2])) < 1e-6
 
 
 def test_count_compilations_counts_backend_compiles():
@@ -67,10 +69,10 @@ def test_count_compilations_counts_backend_compiles():
 
     f = jax.jit(lambda x: x * 3 + 1)
     five, six = jnp.ones(5), jnp.ones(6)
-    with measure.count_compilations() as first:
+    with profile.count_compilations() as first:
         f(five)
         f(five)  # cached
-    with measure.count_compilations() as second:
+    with profile.count_compilations() as second:
         f(five)
         f(six)  # a new shape compiles
     assert first.count == 1 and second.count == 1
@@ -81,10 +83,10 @@ def test_kernel_groups_sort_a_profile_by_kind():
     times = {"gemm_fusion_dot_147": [36, 1700.0], "decode_attention": [36, 160.0], "decode_attention_merge": [36, 60.0],
              "add_rms_norm__1": [72, 160.0], "rope_cache_write": [36, 90.0], "loop_reduce_fusion_106": [72, 80.0],
              "input_reduce_fusion_2": [36, 1650.0]}  # a batch-1 matvec, 46 us a launch
-    assert measure.kernel_groups(times) == {"matmuls": 3350.0, "attention": 220.0,
+    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 220.0,
                                             "fused norm / rope / cache write": 250.0,
                                             "other (small XLA fusions)": 80.0}
-    assert measure.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
+    assert profile.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
 
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
@@ -96,16 +98,16 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
 
     from eagle3_jax.decoding import sampling
 
-    b = bench.Bench(bench.tiny_plan(), ("xla",), budget_s=600, dtype=jnp.float32, out=tmp_path)
-    b.sampling(1, 1, "xla")
-    (entry,) = b.results["sampling"]
+    run = Run(600, tmp_path, "bench.json")
+    sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
+    (entry,) = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
     assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
-    np.testing.assert_allclose(bench.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
+    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
                                atol=1e-6)
 
 
@@ -115,11 +117,9 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     the floors count the routed experts only."""
     import dataclasses
 
-    from benchmarks import bench_moe
-
-    tiny = bench_moe.tiny_moe_plan()
+    tiny = moe.tiny_plan()
     plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)), ffn_tokens=(2,))
-    monkeypatch.setattr(bench_moe, "tiny_moe_plan", lambda: plan)
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
     args = ["--tiny", "--model", "qwen3-30b-a3b", "--out", str(tmp_path), "--kernels", "xla", "--rounds-per-call", "1"]
     assert bench.main(args) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
@@ -128,28 +128,26 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
         (row,) = results[section]
         assert row["time_ms"] > 0 and row["floor_ms"] > 0
     cfg = plan.base.target
-    all_experts = cfg.num_layers * cfg.moe.num_experts * bench_moe.expert_bytes(cfg, 4)
+    all_experts = cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
     assert results["decode"][0]["bytes_read"] < all_experts  # 4 of 16 experts per layer, not all
     experts = results["experts"]
-    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in bench_moe.ROUTINGS
+    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS
                                                               for p in ("gathered", "grouped", "grouped_in_out")}
     projection = results["projection"]["batch_1"]
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
 
 
 def test_synthetic_routing_and_the_tau_model():
-    from benchmarks import bench_moe
-
-    for kind in bench_moe.ROUTINGS:
-        ids = bench_moe.synthetic_routing(kind, layers=3, rows=2, tokens=5, experts=16, top_k=4)
+    for kind in moe.ROUTINGS:
+        ids = moe.synthetic_routing(kind, layers=3, rows=2, tokens=5, experts=16, top_k=4)
         assert ids.shape == (3, 10, 4) and ids.min() >= 0 and ids.max() < 16
         assert all(len(set(row)) == 4 for row in ids.reshape(-1, 4))  # k distinct experts per token
-    local = bench_moe.synthetic_routing("local", layers=8, rows=1, tokens=32, experts=128, top_k=8)
-    uniform = bench_moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
-    assert bench_moe.distinct_per_layer(local).mean() < bench_moe.distinct_per_layer(uniform).mean()
-    assert abs(bench_moe.tau_model(3) - 2.5) < 1e-9 and 1 < bench_moe.tau_model(1) < bench_moe.tau_model(2) < 2.5
+    local = moe.synthetic_routing("local", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    uniform = moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    assert moe.distinct_per_layer(local).mean() < moe.distinct_per_layer(uniform).mean()
+    assert abs(moe.tau_model(3) - 2.5) < 1e-9 and 1 < moe.tau_model(1) < moe.tau_model(2) < 2.5
     import jax
 
-    with bench_moe._config(bench_moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
-        assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is True
-    assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is False
+    with moe.jax_config(moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
+        assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is True
+    assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is False

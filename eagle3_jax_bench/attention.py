@@ -1,6 +1,6 @@
 """Benchmark of the Pallas attention kernels on one GPU (one device call).
 
-  PYTHONPATH=. python3 -m benchmarks.bench_attention [sections...]
+  python -m eagle3_jax_bench.attention [sections...]
 
 Sections (default all): sweep, mosaic_check, prefill, decode; the ceilings always run.
 Prints a line per measurement and writes every row to
@@ -34,10 +34,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from benchmarks import measure
 from eagle3_jax.models.attention import xla_attention
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
+
+from .profile import gpu_kernel_times
 
 # BENCH_DRY_RUN=1: tiny shapes in interpret mode, to check this script on a CPU.
 DRY = os.environ.get("BENCH_DRY_RUN") == "1"
@@ -90,7 +91,7 @@ def kernel_ns(run, reps=2):
     """{kernel name: GPU ns per run()} from a profiler trace ({} if none)."""
     if DRY:
         return {}
-    return {name: us * 1e3 for name, (_, us) in measure.gpu_kernel_times(run, reps).items()}
+    return {name: us * 1e3 for name, (_, us) in gpu_kernel_times(run, reps).items()}
 
 
 def _batched(op, qs, kv_sets, start):
