@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eagle3_jax_bench import bench, checks, dense, moe, profile
+from eagle3_jax_bench import bench, checks, dense, moe, profile, sampling
 from eagle3_jax_bench.core import Run
 
 
@@ -96,7 +96,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from eagle3_jax.decoding import sampling
+    from eagle3_jax.decoding import sampling as sampling_lib
 
     run = Run(600, tmp_path, "bench.json")
     sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
@@ -107,7 +107,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
-    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
+    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),
                                atol=1e-6)
 
 
