@@ -151,3 +151,49 @@ def test_synthetic_routing_and_the_tau_model():
     with moe.jax_config(moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
         assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is True
     assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is False
+
+
+LIBRARY_READING_ARGV = '''
+import sys
+
+from absl import flags
+
+MODE = flags.DEFINE_string("bench_test_mode", "heuristics", "a library's own flag")
+
+
+def mode():
+    """As tokamax 0.0.17's config reads its flags: the first read parses sys.argv when absl has not."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv)
+    return MODE.value
+'''
+
+
+def test_a_library_that_parses_argv_with_absl_does_not_read_the_bench_flags(tmp_path, monkeypatch):
+    """tokamax parses sys.argv with absl the first time it reads a flag: imported plainly, it refuses the
+    bench's own --model; imported through core.import_absl_library, its flags keep their defaults."""
+    import importlib
+    import sys
+
+    from absl import flags
+
+    from eagle3_jax_bench.core import import_absl_library
+
+    (tmp_path / "argv_reading_library.py").write_text(LIBRARY_READING_ARGV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["eagle3-jax", "bench", "--model", "qwen3-30b-a3b"])
+    was_parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.unparse_flags()
+    try:
+        plain = importlib.import_module("argv_reading_library")
+        with pytest.raises(flags.UnrecognizedFlagError, match="model"):
+            plain.mode()
+        flags.FLAGS.unparse_flags()
+        assert import_absl_library("argv_reading_library").mode() == "heuristics"
+        assert flags.FLAGS.is_parsed()
+    finally:
+        flags.FLAGS.unparse_flags()
+        delattr(flags.FLAGS, "bench_test_mode")
+        sys.modules.pop("argv_reading_library", None)
+        if was_parsed:
+            flags.FLAGS.mark_as_parsed()
