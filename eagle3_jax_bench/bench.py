@@ -12,6 +12,9 @@ Timing: warm-up, then the median over `reps` of `inner` back-to-back calls each,
 synchronised with block_until_ready; random data, never zeros; functions are compiled ahead of the
 timed region (`lower().compile()`), so nothing can recompile inside it. Spec-off steps and whole rounds
 are timed as the engine runs them, `--rounds-per-call` rounds to a call, and reported per round.
+
+This module is the command line and the summary; the rows are dense.py's, moe.py's, sampling.py's and
+checks.py's.
 """
 
 from __future__ import annotations
@@ -85,9 +88,7 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Leave GPU memory to the transformers peer measured in the same process (read when the backend starts).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-jax bench", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (default on the CPU)")
     parser.add_argument("--kernels", nargs="+", choices=kernels_lib.CHOICES + (kernels_lib.ABLATION,),
@@ -108,13 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Leave GPU memory to the transformers peer measured in the same process (read when the backend starts).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
-    moe = args.model == "qwen3-30b-a3b"
-    if args.routing is not None and not moe:
+    is_moe = args.model == "qwen3-30b-a3b"
+    if args.routing is not None and not is_moe:
         parser.error("--routing is for --model qwen3-30b-a3b")
-    if moe and args.kernels is not None and len(args.kernels) > 1:
+    if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
     on_gpu = jax.default_backend() == "gpu"
@@ -122,13 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     out = Path(args.out)
-    if moe:
-        return _main_moe(args, tiny, kernels, dtype, out)
+    if is_moe:
+        plan = moe.tiny_plan() if tiny else moe.qwen3_30b_a3b_plan()
+        run = _start(args, plan.base, kernels[:1], dtype, out, tiny)
+        s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
+        moe.run_all(run, s, plan, args.routing or "random")
+        return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
     plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
-    run = Run(args.budget_s, out, "bench.json")
+    run = _start(args, plan, kernels, dtype, out, tiny)
     s = dense.setup(run, plan, kernels, dtype, rounds_per_call=args.rounds_per_call)
-    run.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
-                                                   "drafter": dataclasses.asdict(plan.drafter)})
     if args.agreement_only:
         checks.agreement(run, s.target, s.drafter, kernels, gamma=3, new_tokens=96)
     elif args.sampling_only:
@@ -140,44 +150,46 @@ def main(argv: list[str] | None = None) -> int:
             dense.variants(run, s, plan.batches[0], plan.kv_lengths[0], choice)
     else:
         dense.run_all(run, s, with_peer=not args.no_peer)
-    results = run.results
+    return _finish(run, summary(run.results) + "".join("\n" + line for line in variants_lines(run.results)))
+
+
+def _start(args, plan: dense.Plan, kernels, dtype, out: Path, tiny: bool) -> Run:
+    run = Run(args.budget_s, out, "bench.json")
+    run.results.update(versions=versions(), plan={"tiny": tiny, "target": dataclasses.asdict(plan.target),
+                                                   "drafter": dataclasses.asdict(plan.drafter)})
+    if args.model != "qwen3-8b":
+        run.results["plan"]["model"] = args.model
+    return run
+
+
+def _finish(run: Run, text: str) -> int:
+    """The results written once more, plotted, and the summary printed."""
     run.save()
     try:
-        plot(results, out / "bench.png")
+        plot(run.results, run.out / "bench.png")
     except ImportError:
         print("matplotlib not installed: no plot")
-    print(summary(results))
+    print(text)
+    return 0
+
+
+def variants_lines(results: dict) -> list[str]:
+    """The decode-step breakdown (--variants-only): each variant's time and kernel count, the top kernels."""
+    lines = []
     for v in results.get("variants", []):
         parts = ", ".join(f"{k} {v[k]['time_ms']:.3f} ms ({v[k]['kernel_count']} kernels)"
                           for k in ("step", "step_one_round_per_call", "forward_no_head", "matmuls_only"))
-        print(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: "
-              f"floor {v['floor_ms']:.3f} ms; {parts}")
+        lines.append(f"variants b{v['batch']} l{v['kv_len']} {v['kernels']} [{v['xla_flags']}]: "
+                     f"floor {v['floor_ms']:.3f} ms; {parts}")
         step = v["step"]
         if "kernel_busy_ms" in step:
             groups = ", ".join(f"{g} {us / 1e3:.3f}" for g, us in step["groups_us"].items())
-            print(f"  kernel times summed {step['kernel_busy_ms']:.3f} ms in {step['launches']:.0f} launches "
-                  f"({groups} ms), wall minus that {step['wall_minus_kernel_sum_ms']:.3f} ms; "
-                  "top kernels (launches, us per step):")
-            for name, (count, us) in list(step["kernels"].items())[:12]:
-                print(f"    {us:8.1f} us {count:5.0f}x  {name[:90]}")
-    return 0
-
-
-def _main_moe(args, tiny: bool, kernels: tuple[str, ...], dtype, out: Path) -> int:
-    plan = moe.tiny_plan() if tiny else moe.qwen3_30b_a3b_plan()
-    run = Run(args.budget_s, out, "bench.json")
-    s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
-    run.results.update(versions=versions(), plan={"tiny": tiny, "model": args.model,
-                                                   "target": dataclasses.asdict(plan.base.target),
-                                                   "drafter": dataclasses.asdict(plan.base.drafter)})
-    results = moe.run_all(run, s, plan, args.routing or "random")
-    run.save()
-    try:
-        plot(results, out / "bench.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    print(summary(results) + "\n" + moe.summary(results))
-    return 0
+            lines.append(f"  kernel times summed {step['kernel_busy_ms']:.3f} ms in {step['launches']:.0f} launches "
+                         f"({groups} ms), wall minus that {step['wall_minus_kernel_sum_ms']:.3f} ms; "
+                         "top kernels (launches, us per step):")
+            lines += [f"    {us:8.1f} us {count:5.0f}x  {name[:90]}" for name, (count, us) in
+                      list(step["kernels"].items())[:12]]
+    return lines
 
 
 if __name__ == "__main__":

@@ -98,10 +98,10 @@ def compile_timed(jitted, *args, **static):
     return compiled, time.perf_counter() - start
 
 
-def time_chain(compiled, state, args, reps: int, inner: int):
+def time_chain(compiled, state, args, reps: int, inner: int, warmup: int = 3):
     """(median seconds per call, the state it leaves) of `state, out = compiled(*args, state)`, state
-    donated and rebound: three warm-up calls, then `reps` samples of `inner` back-to-back calls."""
-    for _ in range(3):
+    donated and rebound: `warmup` calls, then `reps` samples of `inner` back-to-back calls."""
+    for _ in range(warmup):
         state, _ = compiled(*args, state)
     jax.block_until_ready(state)
     samples = []

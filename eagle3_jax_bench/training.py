@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.training import step
 
 from . import presets, profile
-from .core import matmul_rate
+from .core import matmul_rate, time_chain
 from .inputs import random_tree
 
 QWEN3_8B = presets.pair("qwen3-8b")[0]
@@ -73,16 +72,13 @@ def inputs(spec: step.StepSpec, batch: int, seq: int):
 
 
 def seconds_per_step(spec: step.StepSpec, batch: int, seq: int, reps: int) -> float:
+    """Median seconds of one training step, after one call that compiles it."""
     state, tparams, tokens, mask = inputs(spec, batch, seq)
-    state, metrics = step.jit_train_step(state, tparams, tokens, mask, spec=spec)  # compile
-    jax.block_until_ready(metrics)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        state, metrics = step.jit_train_step(state, tparams, tokens, mask, spec=spec)
-        jax.block_until_ready(metrics)
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
+
+    def train_step(tparams, tokens, mask, state):
+        return step.jit_train_step(state, tparams, tokens, mask, spec=spec)
+
+    return time_chain(train_step, state, (tparams, tokens, mask), reps, inner=1, warmup=1)[0]
 
 
 def largest_batch(spec: step.StepSpec, seq: int, limit: int) -> int:
