@@ -197,3 +197,30 @@ def test_a_library_that_parses_argv_with_absl_does_not_read_the_bench_flags(tmp_
         sys.modules.pop("argv_reading_library", None)
         if was_parsed:
             flags.FLAGS.mark_as_parsed()
+
+
+# (total, non-embedding) parameters in billions, as the Qwen3 model cards give them.
+PUBLISHED_PARAMETERS = {"qwen3-1.7b": (1.7, 1.4), "qwen3-8b": (8.2, 6.95), "qwen3-32b": (32.8, 31.2),
+                        "qwen3-30b-a3b": (30.5, 29.9), "qwen3-235b-a22b": (235, 234)}
+
+
+def test_presets_have_the_published_parameter_counts():
+    """Each real-shape preset's target, counted from its abstract params, has the parameters its model card
+    states (to the card's rounding); an unknown preset is refused with the choices named."""
+    import math
+
+    import jax
+
+    from eagle3_jax.models import qwen3
+    from eagle3_jax_bench import presets
+
+    for name, (total, non_embedding) in PUBLISHED_PARAMETERS.items():
+        target, drafter = presets.pair(name)
+        params = qwen3.abstract_params(target, "bfloat16")
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) / 1e9
+        vocab = sum(math.prod(params[k].shape) for k in ("embed", "lm_head") if k in params) / 1e9
+        assert abs(count / total - 1) < 0.03 and abs((count - vocab) / non_embedding - 1) < 0.01, name
+        assert drafter.hidden_size == target.hidden_size and drafter.target_vocab_size == target.vocab_size
+    assert presets.pair("qwen3-30b-a3b")[0].moe.num_experts == 128
+    with pytest.raises(ValueError, match="unknown model preset 'qwen3-9b'; presets: qwen3-1.7b, qwen3-8b"):
+        presets.pair("qwen3-9b")
