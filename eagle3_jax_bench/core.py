@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import platform
 import statistics
@@ -189,13 +190,13 @@ def versions() -> dict:
 def import_absl_library(name: str):
     """Imports a library that defines absl flags and, the first time one is read, parses sys.argv with them
     unless absl's flags are already parsed (tokamax does): the bench's own argv (--model ...) would then
-    raise absl's UnrecognizedFlagError. absl's flags are parsed here from the program name alone, so the
-    library's flags keep their defaults. ImportError when the library is not installed."""
-    module = importlib.import_module(name)
-    try:
-        from absl import flags
-    except ImportError:  # a library without absl reads no flags
-        return module
+    raise absl's UnrecognizedFlagError. absl's flags are parsed first from the program name alone, so the
+    library's flags, defined after, keep their defaults whether it reads them on import or later.
+    ImportError, with nothing parsed, when the library is not installed."""
+    if importlib.util.find_spec(name) is None:
+        raise ImportError(f"No module named {name!r}")
+    from absl import flags  # a library that reads absl flags depends on absl
+
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv[:1])
-    return module
+    return importlib.import_module(name)

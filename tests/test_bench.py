@@ -166,12 +166,16 @@ def mode():
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv)
     return MODE.value
+
+
+MODE_AT_IMPORT = mode()  # tokamax reads its flags when called; a library may read them on import too
 '''
 
 
 def test_a_library_that_parses_argv_with_absl_does_not_read_the_bench_flags(tmp_path, monkeypatch):
-    """tokamax parses sys.argv with absl the first time it reads a flag: imported plainly, it refuses the
-    bench's own --model; imported through core.import_absl_library, its flags keep their defaults."""
+    """tokamax parses sys.argv with absl the first time it reads a flag: imported plainly, a library that
+    does so refuses the bench's own --model; imported through core.import_absl_library, its flags keep
+    their defaults."""
     import importlib
     import sys
 
@@ -185,12 +189,14 @@ def test_a_library_that_parses_argv_with_absl_does_not_read_the_bench_flags(tmp_
     was_parsed = flags.FLAGS.is_parsed()
     flags.FLAGS.unparse_flags()
     try:
-        plain = importlib.import_module("argv_reading_library")
         with pytest.raises(flags.UnrecognizedFlagError, match="model"):
-            plain.mode()
+            importlib.import_module("argv_reading_library")
         flags.FLAGS.unparse_flags()
-        assert import_absl_library("argv_reading_library").mode() == "heuristics"
-        assert flags.FLAGS.is_parsed()
+        delattr(flags.FLAGS, "bench_test_mode")  # defined again by the next import
+        library = import_absl_library("argv_reading_library")
+        assert library.MODE_AT_IMPORT == library.mode() == "heuristics" and flags.FLAGS.is_parsed()
+        with pytest.raises(ImportError, match="no_such_library"):
+            import_absl_library("no_such_library")
     finally:
         flags.FLAGS.unparse_flags()
         delattr(flags.FLAGS, "bench_test_mode")
