@@ -19,13 +19,28 @@ import jax
 import jax.numpy as jnp
 
 
+class Budget:
+    """Seconds a run may start new measurements for (one that has started runs to its end)."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.perf_counter() + seconds
+
+    def left(self) -> bool:
+        return time.perf_counter() < self.deadline
+
+
+def write_json(folder: Path, filename: str, value) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / filename).write_text(json.dumps(value, indent=1, default=str))
+
+
 class Run:
     """One run's results and its time budget: no new measurement starts once `budget_s` has passed (each
     is recorded under "skipped"), and the JSON file is rewritten after every row, so a run cut short still
     leaves its numbers. With out=None it writes nothing and prints nothing (a notebook's call)."""
 
     def __init__(self, budget_s: float, out: Path | None, filename: str):
-        self.deadline = time.perf_counter() + budget_s
+        self.budget = Budget(budget_s)
         self.out, self.filename = out, filename
         self.results: dict = {"skipped": []}
         self.bw: float | None = None  # TB/s, once the ceilings are measured
@@ -35,7 +50,7 @@ class Run:
             print(line, flush=True)
 
     def time_left(self, label: str) -> bool:
-        if time.perf_counter() < self.deadline:
+        if self.budget.left():
             return True
         self.results["skipped"].append(label)
         self.log(f"skipped (time budget): {label}")
@@ -77,10 +92,8 @@ class Run:
         self.save()
 
     def save(self) -> None:
-        if self.out is None:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / self.filename).write_text(json.dumps(self.results, indent=1, default=str))
+        if self.out is not None:
+            write_json(self.out, self.filename, self.results)
 
 
 @dataclasses.dataclass(frozen=True)
