@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from benchmarks import bench, measure
+from eagle3_jax_bench import bench, checks, dense, moe, profile, sampling
+from eagle3_jax_bench.core import Run
 
 
 def test_bench_smoke(tmp_path):
@@ -50,15 +51,16 @@ def test_compare_reports_the_first_difference_and_its_margin(tmp_path):
 
     from eagle3_jax.models import qwen3 as target_lib
 
-    b = bench.Bench(bench.tiny_plan(), ("xla",), budget_s=600, dtype=jnp.float32, out=tmp_path)
-    assert b._compare([[1, 2]], [[5, 6, 7]], [[5, 6, 8]]) == [{"identical": False, "tokens": 3, "first_difference": 2,
-                                                         "margin": b._margin([1, 2, 5, 6])}]
-    assert b._compare([[1]], [[4, 4]], [[4, 4]]) == [{"identical": True, "tokens": 2}]
+    s = dense.setup(Run(600, tmp_path, "bench.json"), dense.tiny_plan(), ("xla",), jnp.float32)
+    target = s.target
+    assert checks.compare(target, [[1, 2]], [[5, 6, 7]], [[5, 6, 8]]) == [
+        {"identical": False, "tokens": 3, "first_difference": 2, "margin": checks.margin(target, [1, 2, 5, 6])}]
+    assert checks.compare(target, [[1]], [[4, 4]], [[4, 4]]) == [{"identical": True, "tokens": 2}]
     tokens = [3, 1, 4, 1, 5]
-    cache = target_lib.new_cache(b.plan.target, 1, 5, jnp.float32)
-    hidden, _, _ = target_lib.forward(b.tparams, b.plan.target, jnp.asarray([tokens]), cache)
-    logits = np.sort(np.asarray(target_lib.logits(b.tparams, hidden[0, -1])))
-    assert abs(b._margin(tokens) - (logits[-1] - logits[-2])) < 1e-6
+    cache = target_lib.new_cache(s.plan.target, 1, 5, jnp.float32)
+    hidden, _, _ = target_lib.forward(s.tparams, s.plan.target, jnp.asarray([tokens]), cache)
+    logits = np.sort(np.asarray(target_lib.logits(s.tparams, hidden[0, -1])))
+    assert abs(checks.margin(target, tokens) - (logits[-1] - logits[-2])) < 1e-6
 
 
 def test_count_compilations_counts_backend_compiles():
@@ -67,10 +69,10 @@ def test_count_compilations_counts_backend_compiles():
 
     f = jax.jit(lambda x: x * 3 + 1)
     five, six = jnp.ones(5), jnp.ones(6)
-    with measure.count_compilations() as first:
+    with profile.count_compilations() as first:
         f(five)
         f(five)  # cached
-    with measure.count_compilations() as second:
+    with profile.count_compilations() as second:
         f(five)
         f(six)  # a new shape compiles
     assert first.count == 1 and second.count == 1
@@ -81,10 +83,10 @@ def test_kernel_groups_sort_a_profile_by_kind():
     times = {"gemm_fusion_dot_147": [36, 1700.0], "decode_attention": [36, 160.0], "decode_attention_merge": [36, 60.0],
              "add_rms_norm__1": [72, 160.0], "rope_cache_write": [36, 90.0], "loop_reduce_fusion_106": [72, 80.0],
              "input_reduce_fusion_2": [36, 1650.0]}  # a batch-1 matvec, 46 us a launch
-    assert measure.kernel_groups(times) == {"matmuls": 3350.0, "attention": 220.0,
+    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 220.0,
                                             "fused norm / rope / cache write": 250.0,
                                             "other (small XLA fusions)": 80.0}
-    assert measure.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
+    assert profile.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
 
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
@@ -94,18 +96,18 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from eagle3_jax.decoding import sampling
+    from eagle3_jax.decoding import sampling as sampling_lib
 
-    b = bench.Bench(bench.tiny_plan(), ("xla",), budget_s=600, dtype=jnp.float32, out=tmp_path)
-    b.sampling(1, 1, "xla")
-    (entry,) = b.results["sampling"]
+    run = Run(600, tmp_path, "bench.json")
+    sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
+    (entry,) = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
     assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
-    np.testing.assert_allclose(bench.sorted_filter(logits, t, k, p), sampling.filtered_probs(logits, t, k, p),
+    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),
                                atol=1e-6)
 
 
@@ -115,11 +117,9 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     the floors count the routed experts only."""
     import dataclasses
 
-    from benchmarks import bench_moe
-
-    tiny = bench_moe.tiny_moe_plan()
+    tiny = moe.tiny_plan()
     plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)), ffn_tokens=(2,))
-    monkeypatch.setattr(bench_moe, "tiny_moe_plan", lambda: plan)
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
     args = ["--tiny", "--model", "qwen3-30b-a3b", "--out", str(tmp_path), "--kernels", "xla", "--rounds-per-call", "1"]
     assert bench.main(args) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
@@ -128,28 +128,105 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
         (row,) = results[section]
         assert row["time_ms"] > 0 and row["floor_ms"] > 0
     cfg = plan.base.target
-    all_experts = cfg.num_layers * cfg.moe.num_experts * bench_moe.expert_bytes(cfg, 4)
+    all_experts = cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
     assert results["decode"][0]["bytes_read"] < all_experts  # 4 of 16 experts per layer, not all
     experts = results["experts"]
-    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in bench_moe.ROUTINGS
+    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS
                                                               for p in ("gathered", "grouped", "grouped_in_out")}
     projection = results["projection"]["batch_1"]
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
 
 
 def test_synthetic_routing_and_the_tau_model():
-    from benchmarks import bench_moe
-
-    for kind in bench_moe.ROUTINGS:
-        ids = bench_moe.synthetic_routing(kind, layers=3, rows=2, tokens=5, experts=16, top_k=4)
+    for kind in moe.ROUTINGS:
+        ids = moe.synthetic_routing(kind, layers=3, rows=2, tokens=5, experts=16, top_k=4)
         assert ids.shape == (3, 10, 4) and ids.min() >= 0 and ids.max() < 16
         assert all(len(set(row)) == 4 for row in ids.reshape(-1, 4))  # k distinct experts per token
-    local = bench_moe.synthetic_routing("local", layers=8, rows=1, tokens=32, experts=128, top_k=8)
-    uniform = bench_moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
-    assert bench_moe.distinct_per_layer(local).mean() < bench_moe.distinct_per_layer(uniform).mean()
-    assert abs(bench_moe.tau_model(3) - 2.5) < 1e-9 and 1 < bench_moe.tau_model(1) < bench_moe.tau_model(2) < 2.5
+    local = moe.synthetic_routing("local", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    uniform = moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
+    assert moe.distinct_per_layer(local).mean() < moe.distinct_per_layer(uniform).mean()
+    assert abs(moe.tau_model(3) - 2.5) < 1e-9 and 1 < moe.tau_model(1) < moe.tau_model(2) < 2.5
     import jax
 
-    with bench_moe._config(bench_moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
-        assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is True
-    assert getattr(jax.config, bench_moe.PALLAS_LOWERING_FLAG) is False
+    with moe.jax_config(moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
+        assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is True
+    assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is False
+
+
+LIBRARY_READING_ARGV = '''
+import sys
+
+from absl import flags
+
+MODE = flags.DEFINE_string("bench_test_mode", "heuristics", "a library's own flag")
+
+
+def mode():
+    """As tokamax 0.0.17's config reads its flags: the first read parses sys.argv when absl has not."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv)
+    return MODE.value
+
+
+MODE_AT_IMPORT = mode()  # tokamax reads its flags when called; a library may read them on import too
+'''
+
+
+def test_a_library_that_parses_argv_with_absl_does_not_read_the_bench_flags(tmp_path, monkeypatch):
+    """tokamax parses sys.argv with absl the first time it reads a flag: imported plainly, a library that
+    does so refuses the bench's own --model; imported through core.import_absl_library, its flags keep
+    their defaults."""
+    import importlib
+    import sys
+
+    from absl import flags
+
+    from eagle3_jax_bench.core import import_absl_library
+
+    (tmp_path / "argv_reading_library.py").write_text(LIBRARY_READING_ARGV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["eagle3-jax", "bench", "--model", "qwen3-30b-a3b"])
+    was_parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.unparse_flags()
+    try:
+        with pytest.raises(flags.UnrecognizedFlagError, match="model"):
+            importlib.import_module("argv_reading_library")
+        flags.FLAGS.unparse_flags()
+        delattr(flags.FLAGS, "bench_test_mode")  # defined again by the next import
+        library = import_absl_library("argv_reading_library")
+        assert library.MODE_AT_IMPORT == library.mode() == "heuristics" and flags.FLAGS.is_parsed()
+        with pytest.raises(ImportError, match="no_such_library"):
+            import_absl_library("no_such_library")
+    finally:
+        flags.FLAGS.unparse_flags()
+        delattr(flags.FLAGS, "bench_test_mode")
+        sys.modules.pop("argv_reading_library", None)
+        if was_parsed:
+            flags.FLAGS.mark_as_parsed()
+
+
+# (total, non-embedding) parameters in billions, as the Qwen3 model cards give them.
+PUBLISHED_PARAMETERS = {"qwen3-1.7b": (1.7, 1.4), "qwen3-8b": (8.2, 6.95), "qwen3-32b": (32.8, 31.2),
+                        "qwen3-30b-a3b": (30.5, 29.9), "qwen3-235b-a22b": (235, 234)}
+
+
+def test_presets_have_the_published_parameter_counts():
+    """Each real-shape preset's target, counted from its abstract params, has the parameters its model card
+    states (to the card's rounding); an unknown preset is refused with the choices named."""
+    import math
+
+    import jax
+
+    from eagle3_jax.models import qwen3
+    from eagle3_jax_bench import presets
+
+    for name, (total, non_embedding) in PUBLISHED_PARAMETERS.items():
+        target, drafter = presets.pair(name)
+        params = qwen3.abstract_params(target, "bfloat16")
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) / 1e9
+        vocab = sum(math.prod(params[k].shape) for k in ("embed", "lm_head") if k in params) / 1e9
+        assert abs(count / total - 1) < 0.03 and abs((count - vocab) / non_embedding - 1) < 0.01, name
+        assert drafter.hidden_size == target.hidden_size and drafter.target_vocab_size == target.vocab_size
+    assert presets.pair("qwen3-30b-a3b")[0].moe.num_experts == 128
+    with pytest.raises(ValueError, match="unknown model preset 'qwen3-9b'; presets: qwen3-1.7b, qwen3-8b"):
+        presets.pair("qwen3-9b")

@@ -1,4 +1,4 @@
-"""benchmarks/bench_attention.py in its dry-run mode (tiny shapes, float32, interpret mode): every
+"""eagle3_jax_bench/attention.py in its dry-run mode (tiny shapes, float32, interpret mode): every
 section runs and each kernel result it reports matches the reference."""
 
 import json
@@ -15,7 +15,7 @@ def test_attention_bench_dry_run(tmp_path):
     tunings = [{"block_k": 16, "num_splits": 2}, {"block_k": 32}]
     env = {**os.environ, "BENCH_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(REPO),
            "SWEEP_SHAPES": "[[2, 40, 4]]", "SWEEP_TUNINGS": json.dumps(tunings)}
-    subprocess.run([sys.executable, "-m", "benchmarks.bench_attention"], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "eagle3_jax_bench.attention"], env=env, check=True,
                    capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "bench_attention.json").read_text())
     assert {r["kind"] for r in rows} == {"ceilings", "sweep", "prefill", "decode"}

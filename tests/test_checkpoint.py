@@ -73,6 +73,17 @@ def a_shard(folder):
     return sorted(folder.glob("model-*.safetensors"))[1]
 
 
+def add_tensor(folder, name, tensor):
+    """Adds a tensor to the second shard and lists it in the index."""
+    from safetensors.torch import load_file, save_file
+
+    shard = a_shard(folder)
+    save_file({**load_file(shard), name: tensor}, shard, metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = shard.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def break_missing_folder(f):
     shutil.rmtree(f)
     return "checkpoint folder not found|config.json: file not found"
@@ -118,6 +129,13 @@ def break_corrupt_index(f):
     return "model.safetensors.index.json: not valid JSON"
 
 
+def break_index_file_name(f):
+    index = json.loads((f / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = 3
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "model.safetensors.index.json: weight_map.model.norm.weight must be a file name, got 3"
+
+
 def break_not_qwen3(f):
     edit_config(f, model_type="llama", architectures=["LlamaForCausalLM"])
     return "not a Qwen3 or Qwen3-MoE model"
@@ -140,9 +158,21 @@ def break_missing_key(f):
     return "missing required key 'hidden_size'"
 
 
+def break_fewer_layers(f):
+    edit_config(f, num_hidden_layers=2)  # the checkpoint holds 4
+    return (r"unused tensors: model\.layers\.2\.input_layernorm\.weight, model\.layers\.2\.mlp\.down_proj\.weight, "
+            r".* and 14 more \(the config does not account for them\)")
+
+
+def break_extra_tensor_in_a_shard(f):
+    add_tensor(f, "model.layers.1.self_attn.q_proj.bias", torch.zeros(64))
+    return r"unused tensors: model\.layers\.1\.self_attn\.q_proj\.bias \("
+
+
 BREAKERS = [break_missing_folder, break_missing_config, break_missing_shard, break_corrupt_shard,
             break_truncated_shard, break_missing_tensor, break_wrong_shape, break_corrupt_index,
-            break_not_qwen3, break_sliding_window, break_rope_type, break_missing_key]
+            break_not_qwen3, break_sliding_window, break_rope_type, break_missing_key, break_fewer_layers,
+            break_extra_tensor_in_a_shard, break_index_file_name]
 
 
 @pytest.mark.parametrize("breaker", BREAKERS, ids=lambda b: b.__name__[6:])
@@ -152,6 +182,15 @@ def test_bad_checkpoints_raise_checkpoint_error(hf_folder, tmp_path, breaker, mo
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("device work before the checks"))
     with pytest.raises(CheckpointError, match=message):
         eagle3_jax.load_target(folder, progress=False)
+
+
+def test_tensors_transformers_ignores_are_ignored(hf_folder, tmp_path):
+    """Older transformers saved rotary inv_freq buffers; a tied checkpoint may hold the lm_head it never reads."""
+    folder = copy_of(hf_folder[0], tmp_path)
+    add_tensor(folder, "model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4))
+    assert "lm_head" in eagle3_jax.load_target(folder, progress=False).params
+    edit_config(folder, tie_word_embeddings=True)
+    assert "lm_head" not in eagle3_jax.load_target(folder, progress=False).params
 
 
 def test_corrupt_orbax_checkpoint(hf_folder, tmp_path):
@@ -166,3 +205,26 @@ def test_corrupt_orbax_checkpoint(hf_folder, tmp_path):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype must be one of"):
         eagle3_jax.load_target("/nonexistent", dtype="int8")
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("tokenizer.json", "{not json", "tokenizer.json: not a readable tokenizer"),
+    ("tokenizer.json", '{"version": "1.0"}', "tokenizer.json: not a readable tokenizer"),
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json: not valid JSON"),
+])
+def test_corrupt_tokenizer_names_the_file(tmp_path, name, text, message):
+    from eagle3_jax.checkpoints.tokenizer import load_tokenizer
+
+    (tmp_path / name).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(tmp_path)
+
+
+def test_orbax_config_with_fewer_layers_names_the_unused_tensors(hf_folder, tmp_path):
+    dst = eagle3_jax.convert(hf_folder[0], tmp_path / "orbax")
+    edit_config(dst, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"params: unused tensors: layers\.3\.attn_norm, layers\.3\.k_norm, "):
+        eagle3_jax.load_target(dst, progress=False)
+    edit_config(dst, num_hidden_layers=5)
+    with pytest.raises(CheckpointError, match=r"params: missing tensor 'layers\.4\.attn_norm'"):
+        eagle3_jax.load_target(dst, progress=False)

@@ -13,13 +13,13 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 import eagle3_jax
-from benchmarks import pair_bench
 from eagle3_jax.checkpoints.target_export import export_hf
 from eagle3_jax.checkpoints.tokenizer import load_tokenizer
 from eagle3_jax.demo import PAIR, build, corpus
 from eagle3_jax.demo.__main__ import main as demo_main
 from eagle3_jax.models import qwen3
 from eagle3_jax.training import pretrain
+from eagle3_jax_bench import pair as pair_bench
 
 TINY = build.BuildConfig.tiny()
 

@@ -151,7 +151,7 @@ def bad_no_d2t(p):
 
 def bad_extra_tensor(p):
     edit_tensors(p, lambda t: t.update({"layers.1.self_attn.q_proj.weight": torch.ones(2)}))
-    return "unexpected tensors"
+    return "unused tensors: layers.1.self_attn.q_proj.weight"
 
 
 def bad_corrupt_file(p):
@@ -185,6 +185,54 @@ def test_bad_drafters_raise_checkpoint_error(target, flat, breaker, monkeypatch)
         eagle3_jax.load_drafter(path, target)
 
 
+def extra(name, shape=(2,)):
+    """Adds a tensor to the drafter's weights file, safetensors or .bin."""
+    def change(path):
+        bin_file = path / "pytorch_model.bin"
+        if not bin_file.exists():
+            return edit_tensors(path, lambda t: t.update({name: torch.ones(shape)}))
+        state = torch.load(bin_file)
+        state[name] = torch.ones(shape)
+        torch.save(state, bin_file)
+
+    return change
+
+
+@pytest.mark.parametrize("writer,spec,change,message", [
+    (oracle.write_specforge, dataclasses.replace(BASE, fc_norm=True), lambda p: edit(p, fc_norm=False),
+     r"unused tensors: fc_norm\.0\.weight, fc_norm\.1\.weight, fc_norm\.2\.weight \("),
+    (oracle.write_angelslim, BASE, extra("midlayer.self_attn.q_norm.weight"),
+     r"unused tensors: midlayer\.self_attn\.q_norm\.weight \("),
+    (oracle.write_speculators, BASE, extra("layers.1.mlp.up_proj.weight"),
+     r"unused tensors: layers\.1\.mlp\.up_proj\.weight \("),
+    (oracle.write_speculators, dataclasses.replace(BASE, qk_norm=True),
+     lambda p: edit(p, transformer_layer_config={**json.loads((p / "config.json").read_text())[
+         "transformer_layer_config"], "model_type": "llama"}),
+     r"unused tensors: layers\.0\.self_attn\.k_norm\.weight, layers\.0\.self_attn\.q_norm\.weight \("),
+], ids=["specforge_fc_norm_off", "angelslim_bin_extra", "speculators_second_layer", "speculators_qk_norm_off"])
+def test_unused_tensors_in_every_format(tmp_path, target, writer, spec, change, message, monkeypatch):
+    from pathlib import Path
+
+    path = Path(writer(tmp_path / "d", spec, oracle.random_drafter_state(spec, seed=1)))
+    change(path)
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("device work before the checks"))
+    with pytest.raises(CheckpointError, match=message):
+        eagle3_jax.load_drafter(path, target)
+
+
+def test_tensors_drafter_formats_ship_for_nothing_are_ignored(tmp_path, target):
+    """speculators may keep the target's final norm and lm_head (training only), SpecForge its t2d buffer."""
+    from pathlib import Path
+
+    path = Path(oracle.write_speculators(tmp_path / "spec", BASE, oracle.random_drafter_state(BASE, seed=1)))
+    reference = eagle3_jax.load_drafter(path, target)
+    edit_tensors(path, lambda t: t.update({"verifier_lm_head.weight": torch.ones(VT, HT),
+                                           "verifier_norm.weight": torch.ones(HT),
+                                           "layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    loaded = eagle3_jax.load_drafter(path, target)
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(reference.params)
+
+
 def test_different_hidden_without_embedding_is_refused(tmp_path, target):
     spec = dataclasses.replace(BASE, hidden_size=32, intermediate_size=64, head_dim=8)
     path = oracle.write_specforge(tmp_path / "narrow", spec, oracle.random_drafter_state(spec, seed=3))
@@ -196,3 +244,13 @@ def test_bad_engine_settings_with_drafter(target, flat):
     drafter = eagle3_jax.load_drafter(flat[0], target)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         eagle3_jax.Engine(target, drafter, num_draft_tokens=0, max_len=64)
+
+
+def test_orbax_marker_disagreeing_with_its_params_names_the_unused_tensors(tmp_path, target):
+    state = oracle.random_drafter_state(BASE, 1)
+    path = oracle.write_specforge(tmp_path / "src", BASE, state, embed=torch.randn(VT, HT))
+    out = eagle3_jax.convert_drafter(path, tmp_path / "converted", target)
+    marker = json.loads((out / "eagle3_jax.json").read_text())
+    (out / "eagle3_jax.json").write_text(json.dumps({**marker, "has_embed": False}))
+    with pytest.raises(CheckpointError, match=r"params: unused tensors: embed \("):
+        eagle3_jax.load_drafter(out, target)

@@ -17,8 +17,9 @@ import pytest
 
 import eagle3_jax
 import pallas_kernels
-from benchmarks import bench_exact, measure
 from eagle3_jax.models import qwen3
+from eagle3_jax_bench import exact as bench_exact
+from eagle3_jax_bench import inputs
 
 DTYPES = ["bfloat16", "float32"]
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-5}  # against the float32 references, relative to the max
@@ -102,8 +103,8 @@ def test_exact_verify_equals_one_token_steps():
     """bfloat16, batch 3 at lengths 3, 20 and 41 of a cache of 64: the logits and the cache a verify of 4
     tokens leaves are those of 4 one-token steps, bit for bit (the verify compiles as bench_exact's)."""
     cfg = PLAN.models.target
-    params = measure.random_tree(qwen3.abstract_params(cfg, jnp.bfloat16), seed=1)
-    cache = measure.random_cache(cfg.num_layers, 3, cfg.num_kv_heads, PLAN.capacity, cfg.head_dim, 0, jnp.bfloat16, 5)
+    params = inputs.random_tree(qwen3.abstract_params(cfg, jnp.bfloat16), seed=1)
+    cache = inputs.random_cache(cfg.num_layers, 3, cfg.num_kv_heads, PLAN.capacity, cfg.head_dim, 0, jnp.bfloat16, 5)
     cache = cache.with_lengths(jnp.array([3, 20, 41], jnp.int32))
     tokens = jax.random.randint(jax.random.key(2), (3, PLAN.verify_tokens), 0, cfg.vocab_size)
 
@@ -137,7 +138,7 @@ def test_exact_engine_speculation_is_spec_off_bit_for_bit_in_bfloat16():
 
 
 def test_bench_exact_dry_run(tmp_path):
-    """benchmarks/bench_exact.py at tiny shapes: every section runs and reports; its exact agreement row is
+    """eagle3_jax_bench/exact.py at tiny shapes: every section runs and reports; its exact agreement row is
     the engine test's run (compiled once in this process)."""
     assert bench_exact.main(["--tiny", "--out", str(tmp_path), "--tunings", '[{"block_n": 16}]']) == 0
     results = json.loads((tmp_path / "bench_exact.json").read_text())

@@ -6,7 +6,7 @@ of a call of many rows (tokens, batch rows) is bit-identical to the same row com
 to the float32 reference. A two-layer Qwen3-8B-shaped target: a verify of 4 tokens at batch 4 gives the
 logits and cache of 4 one-token steps, and of the same row verified alone. End to end, a random
 Qwen3-1.7B-shaped target in bf16, 8 prompts x 128 tokens: speculative output is spec-off output at gamma
-1, 3 and 5 (without exact they differ: benchmarks/bench_exact.py's agreement section, BENCHMARKS.md).
+1, 3 and 5 (without exact they differ: eagle3_jax_bench/exact.py's agreement section, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 
 import eagle3_jax
 import pallas_kernels
-from benchmarks import bench_exact, measure
 from eagle3_jax.models import qwen3
+from eagle3_jax_bench import exact as bench_exact
+from eagle3_jax_bench import inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,9 +91,9 @@ def test_exact_verify_equals_one_token_steps_at_qwen3_8b_shapes():
     plan = bench_exact.qwen3_8b_plan()
     cfg = dataclasses.replace(plan.models.target, num_layers=2)
     capture = (0, 1, 1)
-    params = measure.random_tree(qwen3.abstract_params(cfg, jnp.bfloat16), seed=1)
+    params = inputs.random_tree(qwen3.abstract_params(cfg, jnp.bfloat16), seed=1)
     lengths = jnp.array([5, 130, 1000, 2040], jnp.int32)
-    cache = measure.random_cache(2, 4, K, 2048, H, 0, jnp.bfloat16, 5).with_lengths(lengths)
+    cache = inputs.random_cache(2, 4, K, 2048, H, 0, jnp.bfloat16, 5).with_lengths(lengths)
     tokens = jax.random.randint(jax.random.key(3), (4, 4), 0, cfg.vocab_size)
 
     def step(tokens, cache):

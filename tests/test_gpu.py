@@ -17,12 +17,11 @@ import pytest
 
 import eagle3_jax
 import pallas_kernels
-from benchmarks import measure
-from eagle3_jax.models import eagle3, qwen3
 from eagle3_jax.models.attention import rotate_and_cache, uses_mosaic_prefill
 from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.kernels import hopper
 from eagle3_jax.models.layers import add_rms_norm, rope_tables
+from eagle3_jax_bench import inputs, presets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -98,13 +97,8 @@ def test_fused_kernels(dtype):
 
 
 def _models(dtype):
-    """A Qwen3-1.7B-shaped target and a drafter of its width, random weights (benchmarks/measure.py)."""
-    cfg, dcfg = measure.model_pair(vocab=151936, hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8,
-                                   head_dim=128, theta=1e6, draft_vocab=32000, tied=True)
-    target = eagle3_jax.Target(cfg, measure.random_tree(qwen3.abstract_params(cfg, jnp.dtype(dtype)), seed=1), None)
-    drafter = eagle3_jax.Drafter(dcfg, measure.random_tree(
-        eagle3.abstract_params(dcfg, jnp.dtype(dtype)), seed=2), None)
-    return target, drafter
+    """A Qwen3-1.7B-shaped target and a drafter of its width, random weights (eagle3_jax_bench/presets.py)."""
+    return inputs.random_models(presets.pair("qwen3-1.7b"), jnp.dtype(dtype))
 
 
 PROMPTS = [list(range(3, 3 + n)) for n in (16, 200, 37, 500, 64, 90, 128, 300)]

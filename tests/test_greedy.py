@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import eagle3_jax
-from benchmarks.measure import count_compilations
+from eagle3_jax_bench.profile import count_compilations
 
 from hf_models import build_model, save_model
 

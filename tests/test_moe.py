@@ -161,6 +161,13 @@ def drop_tensor(folder, name):
     save_file(state, file, metadata={"format": "pt"})
 
 
+def add_tensor(folder, name, tensor):
+    from safetensors.torch import load_file, save_file
+
+    file = folder / safetensors_io.SINGLE_FILE
+    save_file({**load_file(file), name: tensor}, file, metadata={"format": "pt"})
+
+
 PER_EXPERT, FUSED = "moe_top1_step2_sharded", "moe_top3_norm_fused"  # 2 layers: sparse layer 1 in both
 REFUSALS = [
     (PER_EXPERT, lambda f: drop_tensor(f, "model.layers.1.mlp.experts.3.up_proj.weight"),
@@ -183,8 +190,14 @@ REFUSALS = [
     (FUSED, lambda f: edit_config(f, mlp_only_layers=[2]), "mlp_only_layers holds 2"),
     (FUSED, lambda f: edit_config(f, use_sliding_window=True), "use_sliding_window"),
     (FUSED, lambda f: edit_config(f, architectures=["Qwen3ForCausalLM"]), "not a Qwen3 or Qwen3-MoE"),
-    (FUSED, lambda f: edit_config(f, num_local_experts=None), "malformed MoE fields"),
-    (FUSED, lambda f: edit_config(f, mlp_only_layers="0,1"), "mlp_only_layers is not a list"),
+    (FUSED, lambda f: edit_config(f, num_local_experts=None), "missing required key .num_local_experts."),
+    (PER_EXPERT, lambda f: edit_config(f, num_hidden_layers=1),
+     r"unused tensors: model\.layers\.1\.input_layernorm\.weight, model\.layers\.1\.mlp\.experts\.0\.down_proj"),
+    (FUSED, lambda f: edit_config(f, num_hidden_layers=1),
+     r"unused tensors: model\.layers\.1\.input_layernorm\.weight, model\.layers\.1\.mlp\.experts\.down_proj, "),
+    (FUSED, lambda f: add_tensor(f, "model.layers.1.mlp.experts.0.up_proj.weight", torch.ones(24, 32)),
+     r"unused tensors: model\.layers\.1\.mlp\.experts\.0\.up_proj\.weight \("),
+    (FUSED, lambda f: edit_config(f, mlp_only_layers="0,1"), "mlp_only_layers must be a list of integers, got .0,1."),
 ]
 
 

@@ -12,9 +12,9 @@ from scipy import stats
 from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import eagle3_jax
-from benchmarks.measure import count_compilations
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import sampling
+from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
 import spec_worlds as worlds

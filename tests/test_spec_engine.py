@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import eagle3_jax
-from benchmarks.measure import count_compilations
 from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
 import spec_worlds as worlds

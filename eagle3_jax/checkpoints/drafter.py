@@ -16,7 +16,6 @@ default (2, N//2, N-3).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -26,15 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.checkpoints import safetensors_io
-from eagle3_jax.checkpoints.target import ORBAX_MARKER, Target, check_dtype, restore_params, save_params
+from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io
+from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
+from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models import eagle3 as drafter_lib
-from eagle3_jax.models.config import RopeConfig, parse_rope, read_json
+from eagle3_jax.models import weights as weights_lib
+from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope, refuse_unsupported_layer
+from eagle3_jax.models.config_fields import Fields
 from eagle3_jax.models.eagle3 import DrafterConfig
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-_FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,52 +46,59 @@ class Drafter:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where a format keeps things: its layer config, key prefix and flags."""
+    """Where a format keeps things: its layer config, key prefix, flags, and the tensors it may ship that
+    inference has no use for."""
 
-    layer: dict[str, Any]
+    layer: Fields
     prefix: str
     flags: dict[str, bool]
     capture: tuple[int, ...] | None
+    ignored: frozenset[str]
 
 
-def _layout(raw: dict[str, Any], where: Path) -> _Layout:
-    if raw.get("speculators_model_type") is not None:
-        if raw["speculators_model_type"] != "eagle3":
-            raise CheckpointError(f"{where}: speculators_model_type {raw['speculators_model_type']!r} is not eagle3")
-        layer = raw.get("transformer_layer_config")
-        if not isinstance(layer, dict):
+# SpecForge keeps t2d (the inverse of d2t) as a buffer; speculators may ship the target's final norm and
+# lm_head, used only in training.
+_FLAT_IGNORED = frozenset({"t2d"})
+_SPECULATORS_IGNORED = frozenset({"t2d", "verifier_norm.weight", "verifier_lm_head.weight"})
+
+
+def _layout(fields: Fields) -> _Layout:
+    where = fields.where
+    kind = fields.str("speculators_model_type", None)
+    if kind is not None:
+        if kind != "eagle3":
+            raise CheckpointError(f"{where}: speculators_model_type {kind!r} is not eagle3")
+        if fields.obj("transformer_layer_config") is None:
             raise CheckpointError(f"{where}: speculators config without 'transformer_layer_config'")
         names = ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")
-        flags = {k: bool(raw.get(k, False)) for k in names}
-        ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        return _Layout(layer, "layers.0.", flags, tuple(int(i) for i in ids) if ids else None)
-    if not set(raw.get("architectures") or ()) & set(FLAT_ARCHITECTURES):
+        flags = {k: fields.bool(k, False) for k in names}
+        ids = fields.ints("eagle_aux_hidden_state_layer_ids", ())
+        return _Layout(fields.nested("transformer_layer_config"), "layers.0.", flags, ids or None, _SPECULATORS_IGNORED)
+    architectures = fields.strs("architectures", ())
+    if not set(architectures) & set(FLAT_ARCHITECTURES):
         raise CheckpointError(
-            f"{where}: not an EAGLE-3 drafter (architectures={raw.get('architectures')}; expected one of "
+            f"{where}: not an EAGLE-3 drafter (architectures={list(architectures)}; expected one of "
             f"{list(FLAT_ARCHITECTURES)} or a speculators eagle3 config)"
         )
-    if raw.get("norm_output") is False:
+    if not fields.bool("norm_output", True):
         raise CheckpointError(f"{where}: norm_output=false (logits without the final norm) is not supported")
-    flags = {"norm_before_residual": bool(raw.get("norm_before_residual", False)),
-             "fc_norm": bool(raw.get("fc_norm", False)), "norm_before_fc": False, "norm_output": False}
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    top = raw.get("eagle_aux_hidden_state_layer_ids")
-    capture = tuple(int(i) + 1 for i in nested) if nested else tuple(int(i) for i in top) if top else None
-    return _Layout(raw, "midlayer.", flags, capture)
+    flags = {"norm_before_residual": fields.bool("norm_before_residual", False),
+             "fc_norm": fields.bool("fc_norm", False), "norm_before_fc": False, "norm_output": False}
+    nested = fields.nested("eagle_config").ints("eagle_aux_hidden_state_layer_ids", ())
+    top = fields.ints("eagle_aux_hidden_state_layer_ids", ())
+    capture = tuple(i + 1 for i in nested) if nested else top or None
+    return _Layout(fields, "midlayer.", flags, capture, _FLAT_IGNORED)
 
 
-def _check_layer_config(layer: dict[str, Any], where: Path) -> None:
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise CheckpointError(
-            f"{where}: num_hidden_layers={layer['num_hidden_layers']}: only one-layer drafters are supported")
-    if layer.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act={layer['hidden_act']!r} is not supported (only 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if layer.get(flag):
-            raise CheckpointError(f"{where}: {flag}=true is not supported")
-    if layer.get("model_type", "llama") not in ("llama", "qwen3"):
-        raise CheckpointError(
-            f"{where}: drafter layer type {layer.get('model_type')!r} is not supported (llama or qwen3)")
+def _check_layer_config(layer: Fields) -> None:
+    where = layer.where
+    layers = layer.int("num_hidden_layers", 1)
+    if layers != 1:
+        raise CheckpointError(f"{where}: num_hidden_layers={layers}: only one-layer drafters are supported")
+    refuse_unsupported_layer(layer, ("attention_bias", "mlp_bias"))
+    model_type = layer.str("model_type", "llama")
+    if model_type not in ("llama", "qwen3"):
+        raise CheckpointError(f"{where}: drafter layer type {model_type!r} is not supported (llama or qwen3)")
 
 
 def _read_weights(folder: Path) -> dict[str, np.ndarray]:
@@ -124,73 +131,53 @@ def _torch_to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _expected_shapes(cfg: DrafterConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    N, K = cfg.num_heads, cfg.num_kv_heads
-    p = prefix
-    shapes = {
-        "fc.weight": (D, cfg.feature_width),
-        p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
-        p + "post_attention_layernorm.weight": (D,),
-        p + "self_attn.q_proj.weight": (N * H, 2 * D), p + "self_attn.k_proj.weight": (K * H, 2 * D),
-        p + "self_attn.v_proj.weight": (K * H, 2 * D), p + "self_attn.o_proj.weight": (D, N * H),
-        p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D), p + "mlp.down_proj.weight": (D, I),
-        "norm.weight": (D,), "lm_head.weight": (cfg.draft_vocab_size, D),
-    }
-    if cfg.qk_norm:
-        shapes.update({p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)})
-    if cfg.fc_norm:
-        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(len(cfg.capture_layers))})
-    if cfg.norm_before_fc:
-        shapes["input_norm.weight"] = (cfg.feature_width,)
-    return shapes
-
-
-def _config(raw: dict[str, Any], layout: _Layout, weights: dict[str, np.ndarray], target: Target,
-            where: Path) -> DrafterConfig:
-    """The drafter's config, checked against its weights and against the target."""
-    layer, tcfg = layout.layer, target.config
-    _check_layer_config(layer, where)
+def drafter_config(raw: dict[str, Any], where: Path, shapes: dict[str, tuple[int, ...]],
+                   target: Qwen3Config) -> tuple[DrafterConfig, _Layout]:
+    """The drafter's config and its format's layout, read from config.json (`raw`) and checked against the
+    tensors' shapes (`shapes`: name -> shape) and against the target's config."""
+    fields = Fields.of(raw, where)
+    layout = _layout(fields)
+    layer = layout.layer
+    _check_layer_config(layer)
     q_name = layout.prefix + "self_attn.q_proj.weight"
-    if q_name not in weights:
+    if q_name not in shapes:
         raise CheckpointError(f"{where}: missing tensor {q_name!r}")
-    try:
-        heads = int(layer["num_attention_heads"])
-        hidden = int(layer["hidden_size"])
-        intermediate = int(layer["intermediate_size"])
-    except KeyError as e:
-        raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
-    q_rows = weights[q_name].shape[0]
+    heads = layer.int("num_attention_heads", minimum=1)
+    hidden = layer.int("hidden_size", minimum=1)
+    intermediate = layer.int("intermediate_size", minimum=1)
+    q_rows = shapes[q_name][0]
     if q_rows % heads:
         raise CheckpointError(f"{where}: {q_name} has {q_rows} rows, not a multiple of num_attention_heads={heads}")
     head_dim = q_rows // heads  # from the weights: published configs sometimes disagree with them
-    if layer.get("head_dim") not in (None, head_dim):
-        warnings.warn(
-            f"{where}: config head_dim={layer['head_dim']} disagrees with the weights ({head_dim}); using {head_dim}")
-    target_hidden = int(raw.get("target_hidden_size") or hidden)
-    vocab = int(layer.get("vocab_size") or raw.get("vocab_size") or 0)
-    capture = layout.capture or tcfg.default_capture_layers
+    configured_head_dim = layer.int("head_dim", None)
+    if configured_head_dim not in (None, head_dim):
+        warnings.warn(f"{where}: config head_dim={configured_head_dim} disagrees with the weights ({head_dim}); "
+                      f"using {head_dim}")
+    target_hidden = fields.int("target_hidden_size", 0, minimum=0) or hidden
+    vocab = layer.int("vocab_size", 0, minimum=0) or fields.int("vocab_size", 0, minimum=0)
+    capture = layout.capture or target.default_capture_layers
     _check_fit(where, target, target_hidden=target_hidden, vocab=vocab, capture=capture)
-    return DrafterConfig(
+    cfg = DrafterConfig(
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_heads=heads,
-        num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+        num_kv_heads=layer.int("num_key_value_heads", 0, minimum=0) or heads,
         head_dim=head_dim,
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope=parse_rope(layer, head_dim, int(layer.get("max_position_embeddings", 4096)), str(where)),
-        draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+        rms_norm_eps=layer.float("rms_norm_eps", 1e-6),
+        rope=parse_rope(layer, head_dim, layer.int("max_position_embeddings", 4096, minimum=1)),
+        draft_vocab_size=(fields.int("draft_vocab_size", 0, minimum=0) or layer.int("draft_vocab_size", 0, minimum=0)
+                          or vocab),
         target_vocab_size=vocab,
         target_hidden_size=target_hidden,
         capture_layers=capture,
-        qk_norm=layer.get("model_type") == "qwen3",
+        qk_norm=layer.str("model_type", "llama") == "qwen3",
         **layout.flags,
     )
+    return cfg, layout
 
 
-def _check_fit(where: Path, target: Target, *, target_hidden: int, vocab: int, capture: tuple[int, ...]) -> None:
+def _check_fit(where: Path, tcfg: Qwen3Config, *, target_hidden: int, vocab: int, capture: tuple[int, ...]) -> None:
     """A drafter trained for another target is refused, naming the mismatch."""
-    tcfg = target.config
     if target_hidden != tcfg.hidden_size:
         raise CheckpointError(
             f"{where}: drafter expects target hidden size {target_hidden}, the target has {tcfg.hidden_size}")
@@ -203,16 +190,20 @@ def _check_fit(where: Path, target: Target, *, target_hidden: int, vocab: int, c
         )
 
 
-def _check_weights(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarray], where: Path) -> None:
-    expected = _expected_shapes(cfg, prefix)
+def _float_weights(cfg: DrafterConfig, layout: _Layout, with_embed: bool) -> hf_layout.Plan:
+    """The drafter's float parameters and their tensors in this format (d2t, an integer, is read apart)."""
+    described = weights_lib.drafter_weights(cfg, layout.prefix, with_embed=with_embed)
+    return hf_layout.plan([w for w in described if w.dtype is None], ())
+
+
+def _check_weights(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray], where: Path) -> None:
+    expected = hf_layout.expected_shapes(_float_weights(cfg, layout, with_embed=False))
     for name, shape in expected.items():
         if name not in weights:
             raise CheckpointError(f"{where}: missing tensor {name!r}")
         if weights[name].shape != shape:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {weights[name].shape}, expected {shape}")
-    unknown = sorted(set(weights) - set(expected) - {"d2t", "t2d", "embed_tokens.weight"})
-    if unknown:
-        raise CheckpointError(f"{where}: unexpected tensors {unknown[:4]} (an unsupported drafter variant?)")
+    refuse_unused(where, weights, {*expected, "d2t", "embed_tokens.weight", *layout.ignored})
     embed_shape = (cfg.target_vocab_size, cfg.hidden_size)
     if "embed_tokens.weight" in weights and weights["embed_tokens.weight"].shape != embed_shape:
         raise CheckpointError(f"{where}: tensor 'embed_tokens.weight' has shape "
@@ -240,37 +231,14 @@ def _draft_to_target(cfg: DrafterConfig, weights: dict[str, np.ndarray], where: 
     return d2t.astype(np.int32)
 
 
-def _params(cfg: DrafterConfig, prefix: str, weights: dict[str, np.ndarray], dtype, where: Path) -> dict:
-    _check_weights(cfg, prefix, weights, where)
+def _params(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray], dtype, where: Path) -> dict:
+    _check_weights(cfg, layout, weights, where)
     d2t = _draft_to_target(cfg, weights, where)
-    p = prefix
-
-    def get(*names):
-        arrays = [weights[n] if weights[n].dtype == dtype else weights[n].astype(dtype) for n in names]
-        return jax.device_put(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0))
-
-    params = {
-        "fc": get("fc.weight"),
-        "hidden_norm": get(p + "hidden_norm.weight"),
-        "embed_norm": get(p + "input_layernorm.weight"),
-        "wqkv": get(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-        "wo": get(p + "self_attn.o_proj.weight"),
-        "mlp_norm": get(p + "post_attention_layernorm.weight"),
-        "w_gate_up": get(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        "w_down": get(p + "mlp.down_proj.weight"),
-        "final_norm": get("norm.weight"),
-        "lm_head": get("lm_head.weight"),
-        "d2t": jax.device_put(d2t),
-    }
-    if "embed_tokens.weight" in weights:
-        params["embed"] = get("embed_tokens.weight")
-    if cfg.qk_norm:
-        params["q_norm"], params["k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
-    if cfg.fc_norm:
-        params["fc_norms"] = tuple(get(f"fc_norm.{i}.weight") for i in range(len(cfg.capture_layers)))
-    if cfg.norm_before_fc:
-        params["feature_norm"] = get("input_norm.weight")
-    return params
+    float_weights = _float_weights(cfg, layout, with_embed="embed_tokens.weight" in weights)
+    names = hf_layout.expected_shapes(float_weights)
+    cast = {n: weights[n] if weights[n].dtype == dtype else weights[n].astype(dtype) for n in names}
+    params = hf_layout.assemble(float_weights, cast, concatenate=np.concatenate)
+    return jax.device_put({**params, "d2t": d2t})
 
 
 def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> Drafter:
@@ -279,21 +247,24 @@ def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> D
     jdtype = check_dtype(dtype)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: drafter folder not found")
-    if (folder / ORBAX_MARKER).exists():
+    if (folder / orbax_io.ORBAX_MARKER).exists():
         return _load_orbax(folder, target, jdtype)
     where = folder / "config.json"
     raw = read_json(where)
-    layout = _layout(raw, where)
     weights = _read_weights(folder)
-    cfg = _config(raw, layout, weights, target, where)
-    return Drafter(cfg, _params(cfg, layout.prefix, weights, jdtype, folder), folder)
+    cfg, layout = drafter_config(raw, where, {name: w.shape for name, w in weights.items()}, target.config)
+    return Drafter(cfg, _params(cfg, layout, weights, jdtype, folder), folder)
 
 
-def _config_from_json(raw: dict) -> DrafterConfig:
-    raw = dict(raw)
-    raw["rope"] = RopeConfig(**raw["rope"])
-    raw["capture_layers"] = tuple(raw["capture_layers"])
-    return DrafterConfig(**raw)
+def _config_from_json(marker: Fields) -> DrafterConfig:
+    """The DrafterConfig a converted folder's marker stores (written by `convert_drafter`)."""
+    raw = dict(marker.obj("config") or {})
+    try:
+        raw["rope"] = RopeConfig(**raw["rope"])
+        raw["capture_layers"] = tuple(raw["capture_layers"])
+        return DrafterConfig(**raw)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker.where}: malformed 'config' ({e})") from None
 
 
 def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str = "bfloat16") -> Path:
@@ -303,23 +274,21 @@ def convert_drafter(src: str | Path, dst: str | Path, target: Target, dtype: str
         raise CheckpointError(f"{dst}: destination already exists")
     drafter = load_drafter(src, target, dtype=dtype)
     dst.mkdir(parents=True)
-    save_params(dst, drafter.params)
+    orbax_io.save_params(dst, drafter.params)
     shutil.copy(Path(src) / "config.json", dst / "config.json")
-    marker = {"format_version": _FORMAT_VERSION, "kind": "drafter", "dtype": dtype,
-              "has_embed": "embed" in drafter.params, "config": dataclasses.asdict(drafter.config)}
-    (dst / ORBAX_MARKER).write_text(json.dumps(marker))
+    orbax_io.write_marker(dst, "drafter", dtype, has_embed="embed" in drafter.params,
+                          config=dataclasses.asdict(drafter.config))
     return dst
 
 
 def _load_orbax(folder: Path, target: Target, dtype) -> Drafter:
-    marker = read_json(folder / ORBAX_MARKER)
-    if marker.get("kind") != "drafter" or marker.get("format_version") != _FORMAT_VERSION:
-        raise CheckpointError(f"{folder / ORBAX_MARKER}: not a drafter converted by this version")
-    cfg = _config_from_json(marker["config"])
-    _check_fit(folder, target, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size,
+    marker = orbax_io.read_marker(folder, "drafter")
+    cfg = _config_from_json(marker)
+    _check_fit(folder, target.config, target_hidden=cfg.target_hidden_size, vocab=cfg.target_vocab_size,
                capture=cfg.capture_layers)
-    stored = jnp.dtype(marker["dtype"])
-    params = restore_params(folder, drafter_lib.abstract_params(cfg, stored, with_embed=marker["has_embed"]))
+    stored = jnp.dtype(marker.str("dtype"))
+    described = weights_lib.drafter_weights(cfg, with_embed=marker.bool("has_embed"))
+    params = orbax_io.restore_params(folder, weights_lib.abstract_params(described, stored))
     if stored != dtype:
         params = {k: v if k == "d2t" else jax.tree.map(lambda x: x.astype(dtype), v) for k, v in params.items()}
     return Drafter(cfg, params, folder)

@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from eagle3_jax.checkpoints.common import read_json
 from eagle3_jax.errors import CheckpointError
-from eagle3_jax.models.config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -31,6 +31,9 @@ def weight_map(folder: Path) -> dict[str, Path]:
         raw = read_json(index).get("weight_map")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
+        bad = next((name for name, file in raw.items() if not isinstance(file, str)), None)
+        if bad is not None:
+            raise CheckpointError(f"{index}: weight_map.{bad} must be a file name, got {raw[bad]!r}")
         return {name: folder / file for name, file in raw.items()}
     single = folder / SINGLE_FILE
     if not single.exists():

@@ -1,19 +1,17 @@
 """Writing a dense Qwen3 target as a Hugging Face folder (`config.json`, `model.safetensors`), the layout
 `load_target` and transformers' `Qwen3ForCausalLM.from_pretrained` both read: our fused q/k/v and gate/up
-weights are split back into transformers' tensors."""
+weights are split back into transformers' tensors as the target's weight description (models/weights.py) says."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from safetensors.numpy import save_file
 
-from eagle3_jax.checkpoints.target import hf_layer_keys
+from eagle3_jax.checkpoints import hf_layout
 from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.models.weights import target_weights
 
 
 def hf_config(cfg: Qwen3Config, dtype: str, eos_token_id: int | None = None) -> dict:
@@ -32,28 +30,12 @@ def hf_config(cfg: Qwen3Config, dtype: str, eos_token_id: int | None = None) -> 
     }
 
 
-def hf_tensors(cfg: Qwen3Config, params: dict, dtype: str) -> dict[str, np.ndarray]:
-    """Our parameter pytree -> transformers' tensor names and shapes, on the host, in dtype."""
-    def host(x):
-        return np.asarray(jax.device_get(jnp.asarray(x).astype(jnp.dtype(dtype))))
-
-    tensors = {"model.embed_tokens.weight": host(params["embed"]), "model.norm.weight": host(params["final_norm"])}
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = host(params["lm_head"])
-    N, K, H, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    splits = {"wqkv": [N * H, (N + K) * H], "w_gate_up": [I]}
-    for i, layer in enumerate(params["layers"]):
-        for ours, theirs in hf_layer_keys(cfg, i).items():
-            parts = np.split(host(layer[ours]), splits[ours], axis=0) if ours in splits else [host(layer[ours])]
-            tensors.update(zip(theirs, parts))
-    return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
-
-
 def export_hf(folder: str | Path, cfg: Qwen3Config, params: dict, dtype: str = "bfloat16",
               eos_token_id: int | None = None) -> Path:
     """Writes config.json and model.safetensors into folder (created if needed); returns folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, dtype, eos_token_id), indent=2))
-    save_file(hf_tensors(cfg, params, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tensors = hf_layout.to_hf(target_weights(cfg), params, dtype)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

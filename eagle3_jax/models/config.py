@@ -7,12 +7,11 @@ a string or a tuple of those.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 from eagle3_jax.errors import CheckpointError
+from eagle3_jax.models.config_fields import Fields
 
 _ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM",), "qwen3_moe": ("Qwen3MoeForCausalLM",)}
 
@@ -60,38 +59,39 @@ def _yarn_correction_range(rope: RopeConfig) -> tuple[float, float]:
     return max(low, 0), min(high, rope.head_dim - 1)
 
 
-def parse_rope(raw: dict[str, Any], head_dim: int, max_positions: int, where: str) -> RopeConfig:
+def parse_rope(fields: Fields, head_dim: int, max_positions: int) -> RopeConfig:
     """Reads rope settings from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
     transformers 5 (`rope_parameters`) spelling; refuses scaling types we do not implement."""
-    params = dict(raw.get("rope_parameters") or {})
-    params.update(raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+    where = fields.where
+    params = Fields(where, (fields.obj("rope_scaling"), "rope_scaling."),
+                    (fields.obj("rope_parameters"), "rope_parameters."))
+    theta = params.float("rope_theta") if params.has("rope_theta") else fields.float("rope_theta", 10000.0)
+    kind = params.str("rope_type") if params.has("rope_type") else params.str("type", "default")
     if kind == "default":
-        return RopeConfig(theta=float(theta), head_dim=head_dim)
+        return RopeConfig(theta=theta, head_dim=head_dim)
     if kind != "yarn":
         raise CheckpointError(f"{where}: rope scaling type {kind!r} is not supported (only 'default' and 'yarn')")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.float("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
-    factor = float(params["factor"])
-    original = int(params.get("original_max_position_embeddings") or max_positions)
-    attention_factor = params.get("attention_factor")
+    factor = params.float("factor")
+    original = params.int("original_max_position_embeddings", 0) or max_positions
+    attention_factor = params.float("attention_factor", None)
     if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        mscale, mscale_all_dim = params.float("mscale", 0.0), params.float("mscale_all_dim", 0.0)
         if mscale and mscale_all_dim:
             attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
         else:
             attention_factor = _yarn_mscale(factor)
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         head_dim=head_dim,
         kind="yarn",
         factor=factor,
         original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
+        beta_fast=params.float("beta_fast", 0.0) or 32.0,
+        beta_slow=params.float("beta_slow", 0.0) or 1.0,
         attention_factor=float(attention_factor),
-        truncate=bool(params.get("truncate", True)),
+        truncate=params.bool("truncate", True),
     )
 
 
@@ -154,65 +154,60 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> "Qwen3Config":
-        model_type = raw.get("model_type")
-        architectures = tuple(raw.get("architectures") or ())
+        fields = Fields.of(raw, where)
+        model_type = fields.str("model_type", None)
+        architectures = fields.strs("architectures", ())
         known = _ARCHITECTURES.get(model_type)
         if known is None or (architectures and not set(architectures) & set(known)):
             raise CheckpointError(f"{where}: not a Qwen3 or Qwen3-MoE model (model_type={model_type!r}, "
                                   f"architectures={list(architectures)})")
-        _refuse_unsupported(raw, where)
-        try:
-            heads = int(raw["num_attention_heads"])
-            head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
-            max_positions = int(raw.get("max_position_embeddings", 32768))
-            return cls(
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=int(raw["hidden_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=head_dim,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=parse_rope(raw, head_dim, max_positions, where),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                max_position_embeddings=max_positions,
-                moe=_parse_moe(raw, where) if model_type == "qwen3_moe" else None,
-            )
-        except KeyError as e:
-            raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from None
+        _refuse_unsupported(fields)
+        heads = fields.int("num_attention_heads", minimum=1)
+        hidden = fields.int("hidden_size", minimum=1)
+        head_dim = fields.int("head_dim", 0) or hidden // heads
+        max_positions = fields.int("max_position_embeddings", 32768)
+        return cls(
+            vocab_size=fields.int("vocab_size", minimum=1),
+            hidden_size=hidden,
+            intermediate_size=fields.int("intermediate_size", minimum=1),
+            num_layers=fields.int("num_hidden_layers", minimum=1),
+            num_heads=heads,
+            num_kv_heads=fields.int("num_key_value_heads", 0, minimum=0) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.float("rms_norm_eps", 1e-6),
+            rope=parse_rope(fields, head_dim, max_positions),
+            tie_word_embeddings=fields.bool("tie_word_embeddings", False),
+            max_position_embeddings=max_positions,
+            moe=_parse_moe(fields) if model_type == "qwen3_moe" else None,
+        )
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> "Qwen3Config":
-        return cls.from_dict(read_json(Path(path)), where=str(path))
-
-
-def _refuse_unsupported(raw: dict[str, Any], where: str) -> None:
+def _refuse_unsupported(fields: Fields) -> None:
     """Flags that change the computation and that we do not implement are refused, never ignored."""
-    if raw.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    if raw.get("attention_bias"):
-        raise CheckpointError(f"{where}: attention_bias=true is not supported")
-    act = raw.get("hidden_act", "silu")
+    if fields.bool("use_sliding_window", False):
+        raise CheckpointError(f"{fields.where}: use_sliding_window=true is not supported")
+    refuse_unsupported_layer(fields, ("attention_bias",))
+
+
+def refuse_unsupported_layer(fields: Fields, biases: tuple[str, ...]) -> None:
+    """A decoder layer (target's or drafter's) with biases or an activation other than SiLU is refused."""
+    for flag in biases:
+        if fields.bool(flag, False):
+            raise CheckpointError(f"{fields.where}: {flag}=true is not supported")
+    act = fields.str("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+        raise CheckpointError(f"{fields.where}: hidden_act={act!r} is not supported (only 'silu')")
 
 
-def _parse_moe(raw: dict[str, Any], where: str) -> MoeConfig:
+def _parse_moe(fields: Fields) -> MoeConfig:
     """The MoE fields of a `qwen3_moe` config.json. transformers 5 writes `num_local_experts` for
     `num_experts`. `output_router_logits` and `router_aux_loss_coef` only add a training loss, so
     inference ignores them; what would change the computation and is not implemented is refused."""
-    try:
-        layers = int(raw["num_hidden_layers"])
-        experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
-        top_k, step = int(raw["num_experts_per_tok"]), int(raw.get("decoder_sparse_step", 1))
-        mlp_only_raw = raw.get("mlp_only_layers") or []
-        if not isinstance(mlp_only_raw, list):
-            raise ValueError("mlp_only_layers is not a list")
-        mlp_only = tuple(sorted(int(i) for i in mlp_only_raw))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: malformed MoE fields ({e})") from None
-    if raw.get("shared_expert_intermediate_size"):
+    where = fields.where
+    layers = fields.int("num_hidden_layers")
+    experts = fields.int("num_experts") if fields.has("num_experts") else fields.int("num_local_experts")
+    top_k, step = fields.int("num_experts_per_tok"), fields.int("decoder_sparse_step", 1)
+    mlp_only = tuple(sorted(fields.ints("mlp_only_layers", ())))
+    if fields.int("shared_expert_intermediate_size", 0):
         raise CheckpointError(f"{where}: shared_expert_intermediate_size (a Qwen2-MoE shared expert) is not supported")
     if experts < 1:
         raise CheckpointError(f"{where}: num_experts={experts} is not supported (a MoE target needs experts)")
@@ -224,19 +219,6 @@ def _parse_moe(raw: dict[str, Any], where: str) -> MoeConfig:
     if bad:
         raise CheckpointError(f"{where}: mlp_only_layers holds {bad[0]}, outside the {layers} layers")
     return MoeConfig(num_experts=experts, num_experts_per_tok=top_k,
-                     moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                     moe_intermediate_size=fields.int("moe_intermediate_size", minimum=1),
+                     norm_topk_prob=fields.bool("norm_topk_prob", False), decoder_sparse_step=step,
                      mlp_only_layers=mlp_only)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Reads a JSON file, turning every failure into a CheckpointError that names the file."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data

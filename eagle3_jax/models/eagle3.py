@@ -1,11 +1,8 @@
 """The EAGLE-3 drafter: one Llama-style (or Qwen3-style) layer over [embedding, hidden] inputs.
 
-Parameters (weights [out, in] as transformers stores them):
-    fc [D, C] (C = width of the target features, 3 Ht), hidden_norm, embed_norm, mlp_norm, final_norm [D],
-    wqkv [(N + 2K) H, 2D], wo [D, N H], w_gate_up [2I, D], w_down [D, I], lm_head [Vd, D],
-    d2t [Vd] int32 (draft id -> target id offset), and optionally embed [Vt, D] (else the target's is
-    used), q_norm, k_norm [H] (Qwen3-style layer), fc_norms (3 x [Ht], one per feature chunk) or
-    feature_norm [C] (one norm over all features).
+Parameters: a dict pytree described in models/weights.py (`drafter_weights`), weights [out, in] as
+transformers stores them; d2t maps draft ids to target ids by offset; embed is optional (else the
+target's is used).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models import kv_cache
+from eagle3_jax.models import kv_cache, weights
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
@@ -47,23 +44,7 @@ class DrafterConfig:
 
 def abstract_params(cfg: DrafterConfig, dtype, with_embed: bool = False) -> dict:
     """Every parameter's shape and dtype (jax.ShapeDtypeStruct), in the pytree's structure."""
-    D, H, I, N, K = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads
-    shapes = {
-        "fc": (D, cfg.feature_width), "hidden_norm": (D,), "embed_norm": (D,), "wqkv": ((N + 2 * K) * H, 2 * D),
-        "wo": (D, N * H), "mlp_norm": (D,), "w_gate_up": (2 * I, D), "w_down": (D, I), "final_norm": (D,),
-        "lm_head": (cfg.draft_vocab_size, D),
-    }
-    if with_embed:
-        shapes["embed"] = (cfg.target_vocab_size, D)
-    if cfg.qk_norm:
-        shapes.update(q_norm=(H,), k_norm=(H,))
-    if cfg.norm_before_fc:
-        shapes["feature_norm"] = (cfg.feature_width,)
-    out = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in shapes.items()}
-    if cfg.fc_norm:
-        out["fc_norms"] = tuple(jax.ShapeDtypeStruct((cfg.target_hidden_size,), dtype) for _ in cfg.capture_layers)
-    out["d2t"] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), jnp.int32)
-    return out
+    return weights.abstract_params(weights.drafter_weights(cfg, with_embed=with_embed), dtype)
 
 
 def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:

@@ -1,12 +1,8 @@
 """The Qwen3 target (dense or Qwen3-MoE) as pure functions over a parameter pytree.
 
-Parameters (weights in transformers' [out, in] orientation; one array per layer, never a stacked
-array sliced per layer, which costs copies on the GPU):
-    embed [V, D], final_norm [D], lm_head [V, D] (absent when tied to embed),
-    layers: tuple of {attn_norm [D], wqkv [(N + 2K) H, D], q_norm [H], k_norm [H], wo [D, N H],
-                      mlp_norm [D], w_gate_up [2 I, D], w_down [D, I]}
-    A Qwen3-MoE target's sparse layers (cfg.is_sparse) hold instead router [E, D],
-    w_gate_up [E, 2 Ie, D] and w_down [E, D, Ie] (Ie = moe_intermediate_size; models/moe.py).
+Parameters: a dict pytree described in models/weights.py (`target_weights`), weights in transformers'
+[out, in] orientation, one array per layer (never a stacked array sliced per layer, which costs copies on
+the GPU); a Qwen3-MoE target's sparse layers (cfg.is_sparse) hold a router and fused experts (models/moe.py).
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.models import kv_cache, moe
+from eagle3_jax.models import kv_cache, moe, weights
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
@@ -26,34 +22,7 @@ Params = dict
 
 def abstract_params(cfg: Qwen3Config, dtype) -> dict:
     """Every parameter's shape and dtype (jax.ShapeDtypeStruct), in the pytree's structure."""
-    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    N, K = cfg.num_heads, cfg.num_kv_heads
-    layer = {
-        "attn_norm": (D,),
-        "wqkv": ((N + 2 * K) * H, D),
-        "q_norm": (H,),
-        "k_norm": (H,),
-        "wo": (D, N * H),
-        "mlp_norm": (D,),
-        "w_gate_up": (2 * I, D),
-        "w_down": (D, I),
-    }
-    sparse = dict(layer)
-    if cfg.moe is not None:
-        E, Ie = cfg.moe.num_experts, cfg.moe.moe_intermediate_size
-        sparse.update(router=(E, D), w_gate_up=(E, 2 * Ie, D), w_down=(E, D, Ie))
-    shapes = {
-        "embed": (cfg.vocab_size, D),
-        "final_norm": (D,),
-        "layers": tuple(dict(sparse if cfg.is_sparse(i) else layer) for i in range(cfg.num_layers)),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, D)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+    return weights.abstract_params(weights.target_weights(cfg), dtype)
 
 
 def new_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.KVCache:

@@ -22,10 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eagle3_jax.checkpoints import drafter_export as export
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.training import batching, evaluate, export, step, vocab
+from eagle3_jax.training import batching, evaluate, step, vocab
 from eagle3_jax.training.data import load_samples
 
 _COMPUTE_DTYPES = ("bfloat16", "float32")

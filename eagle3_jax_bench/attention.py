@@ -1,6 +1,6 @@
 """Benchmark of the Pallas attention kernels on one GPU (one device call).
 
-  PYTHONPATH=. python3 -m benchmarks.bench_attention [sections...]
+  python -m eagle3_jax_bench.attention [sections...]
 
 Sections (default all): sweep, mosaic_check, prefill, decode; the ceilings always run.
 Prints a line per measurement and writes every row to
@@ -30,14 +30,17 @@ import sys
 import time
 import traceback
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import measure
 from eagle3_jax.models.attention import xla_attention
 from pallas_kernels.attention import attention_reference, decode_attention, prefill_attention
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
+
+from .core import Budget, write_json
+from .profile import gpu_kernel_times
 
 # BENCH_DRY_RUN=1: tiny shapes in interpret mode, to check this script on a CPU.
 DRY = os.environ.get("BENCH_DRY_RUN") == "1"
@@ -48,20 +51,17 @@ BATCHES = (2,) if DRY else (1, 8, 32)
 LENGTHS = (200,) if DRY else (1024, 4096, 16384, 32768)
 PREFILL_LENGTHS = (96,) if DRY else (2048, 8192)
 COPY_ELEMENTS, MATMUL_N = (2**20, 256) if DRY else (2**30, 8192)
-BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))
 T0 = time.perf_counter()
+BUDGET = Budget(float(os.environ.get("BENCH_BUDGET_S", "330")))
 ROWS = []
 
 
 def _save():
-    path = os.environ.get("OUT", "./out")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "bench_attention.json"), "w") as f:
-        json.dump(ROWS, f, indent=1)
+    write_json(Path(os.environ.get("OUT", "./out")), "bench_attention.json", ROWS)
 
 
 def _over_budget():
-    return time.perf_counter() - T0 > BUDGET_S
+    return not BUDGET.left()
 
 
 def _short(e):
@@ -90,7 +90,7 @@ def kernel_ns(run, reps=2):
     """{kernel name: GPU ns per run()} from a profiler trace ({} if none)."""
     if DRY:
         return {}
-    return {name: us * 1e3 for name, (_, us) in measure.gpu_kernel_times(run, reps).items()}
+    return {name: us * 1e3 for name, (_, us) in gpu_kernel_times(run, reps).items()}
 
 
 def _batched(op, qs, kv_sets, start):

@@ -1,10 +1,10 @@
 """The drafter's training step on one device: tokens per second and MFU at Qwen3-8B shapes, random weights.
 
-    python -m benchmarks.train_bench                 # Qwen3-8B shapes, sequence 2048 (a GPU)
-    python -m benchmarks.train_bench --tiny          # tiny shapes: a smoke test that runs on the CPU
+    python -m eagle3_jax_bench.training                 # Qwen3-8B shapes, sequence 2048 (a GPU)
+    python -m eagle3_jax_bench.training --tiny          # tiny shapes: a smoke test that runs on the CPU
 
 MFU = useful FLOPs per step / seconds per step / the bf16 matmul rate measured in the same run
-(`measure.measure_matmul`). Useful FLOPs: the target's forward (matmuls, lm_head, causal attention) plus
+(`core.matmul_rate`). Useful FLOPs: the target's forward (matmuls, lm_head, causal attention) plus
 the drafter's k TTT steps, forward and backward (3x the forward): its matmuls, lm_head over the draft
 vocabulary, fc at step 0, and attention over the causal half of the step-0 keys plus the diagonal ones.
 It also searches the largest batch that fits (doubling until the device runs out of memory) and reports the
@@ -14,24 +14,24 @@ most expensive kernels of a profiled step (GPU only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import measure
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.training import step
 
-QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False}
-TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+from . import presets, profile
+from .core import matmul_rate, time_chain
+from .inputs import random_tree
+
+QWEN3_8B = presets.pair("qwen3-8b")[0]
+TINY = dataclasses.replace(presets.pair("tiny")[0], vocab_size=512, max_position_embeddings=32768)
 
 
 def layer_matmul_params(D: int, N: int, K: int, H: int, inter: int, in_width: int) -> int:
@@ -64,7 +64,7 @@ def make_spec(cfg: Qwen3Config, draft_vocab: int, ttt_steps: int, kernels: str) 
 
 
 def inputs(spec: step.StepSpec, batch: int, seq: int):
-    tparams = measure.random_tree(qwen3.abstract_params(spec.target, jnp.bfloat16), seed=0)
+    tparams = random_tree(qwen3.abstract_params(spec.target, jnp.bfloat16), seed=0)
     state = step.init_state(spec, step.init_params(spec.drafter, 0), np.zeros(spec.drafter.draft_vocab_size, np.int32))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, spec.target.vocab_size, (batch, seq)), jnp.int32)
@@ -72,16 +72,13 @@ def inputs(spec: step.StepSpec, batch: int, seq: int):
 
 
 def seconds_per_step(spec: step.StepSpec, batch: int, seq: int, reps: int) -> float:
+    """Median seconds of one training step, after one call that compiles it."""
     state, tparams, tokens, mask = inputs(spec, batch, seq)
-    state, metrics = step.jit_train_step(state, tparams, tokens, mask, spec=spec)  # compile
-    jax.block_until_ready(metrics)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        state, metrics = step.jit_train_step(state, tparams, tokens, mask, spec=spec)
-        jax.block_until_ready(metrics)
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
+
+    def train_step(tparams, tokens, mask, state):
+        return step.jit_train_step(state, tparams, tokens, mask, spec=spec)
+
+    return time_chain(train_step, state, (tparams, tokens, mask), reps, inner=1, warmup=1)[0]
 
 
 def largest_batch(spec: step.StepSpec, seq: int, limit: int) -> int:
@@ -108,12 +105,12 @@ def biggest_costs(spec: step.StepSpec, batch: int, seq: int, top: int = 5) -> li
         jax.block_until_ready(metrics)
 
     run()
-    times = measure.gpu_kernel_times(run)
+    times = profile.gpu_kernel_times(run)
     return [[name, *v] for name, v in sorted(times.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="train_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax_bench.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test)")
     parser.add_argument("--seq", type=int, help="sequence length (default 2048, tiny 64)")
@@ -125,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=kernels_lib.CHOICES)
     parser.add_argument("--out", help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    cfg = Qwen3Config.from_dict(TINY if args.tiny else QWEN3_8B)
+    cfg = TINY if args.tiny else QWEN3_8B
     seq = args.seq or (64 if args.tiny else 2048)
     kernels = kernels_lib.check(args.kernels or kernels_lib.default(cfg.head_dim), cfg.head_dim)
     spec = make_spec(cfg, args.draft_vocab or (128 if args.tiny else 32000), args.ttt_steps, kernels)
-    matmul_tflops = measure.measure_matmul(512 if args.tiny else 8192)
+    matmul_tflops = matmul_rate(512 if args.tiny else 8192)
     seconds = seconds_per_step(spec, args.batch, seq, args.reps)
     flops = step_flops(spec, args.batch, seq)
     result = {

@@ -1,14 +1,14 @@
 """The demo pair on the current device: end-to-end tokens/s of greedy decoding with speculation off and on,
 its tau, and what that tau would buy at Qwen3-8B shapes.
 
-    python -m benchmarks.pair_bench --out DIR [--pair eagle3_jax/demo/pair] [--tiny]
+    python -m eagle3_jax_bench.pair --out DIR [--pair eagle3_jax/demo/pair] [--tiny]
 
 * end to end: Engine.generate on the pair's held-out demo prompts, the first lines of library modules (batch 1:
   each prompt alone; batch 8: eight together), spec off and at each gamma, after a warm-up request of the
   same shapes; tokens/s and tau.
 * projection: at Qwen3-8B shapes (random bf16 weights, 1024 cached tokens, batch 1) the spec-off step and the
-  gamma-3 round are timed as the engine runs them (benchmarks/bench.py); the speedup this pair's tau would give
-  there is tau x step / round. --tiny uses bench.py's tiny plan instead (a CPU dry run).
+  gamma-3 round are timed as the engine runs them (eagle3_jax_bench/dense.py); the speedup this pair's tau would give
+  there is tau x step / round. --tiny uses dense.py's tiny plan instead (a CPU dry run).
 The pair is tiny (11M parameters): its steps are launch-bound, not bandwidth-bound, so its own speedup says
 little about a large target; the projection is the figure to read.
 """
@@ -23,9 +23,12 @@ import jax
 import numpy as np
 
 import eagle3_jax
-from benchmarks import bench
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.demo import PAIR, timed_generate
+from eagle3_jax.models import kernels as kernels_lib
+
+from . import dense
+from .core import Run, versions
 
 
 def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8)) -> list[dict]:
@@ -54,13 +57,12 @@ def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8))
 
 def projection(tau: float, tiny: bool, gamma: int = 3) -> dict:
     """tau x (spec-off step) / (round at gamma), both timed in this process at Qwen3-8B shapes."""
-    plan = bench.tiny_plan() if tiny else bench.qwen3_8b_plan()
+    plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
     length = plan.spec_kv_length
-    b = bench.Bench(plan, (bench.kernels_lib.default(plan.target.head_dim),), budget_s=1e9,
-                    dtype=jax.numpy.bfloat16, out=None)
-    kernels = b.kernels[0]
-    step_s = b._spec_off_step(1, length, kernels)[0]
-    round_s = b._time_round(1, gamma, kernels, b.rounds_per_call)[0]
+    kernels = kernels_lib.default(plan.target.head_dim)
+    s = dense.setup(Run(budget_s=1e9, out=None, filename=""), plan, (kernels,), jax.numpy.bfloat16)
+    step_s = dense.spec_off(s, 1, length, kernels).seconds
+    round_s = dense.spec_rounds(s, 1, gamma, kernels, s.rounds_per_call).seconds
     out = {"shape": "tiny plan" if tiny else "Qwen3-8B", "kv_len": length, "gamma": gamma, "tau": tau,
            "step_ms": step_s * 1e3, "round_ms": round_s * 1e3, "projected_speedup": tau * step_s / round_s}
     print(json.dumps(out), flush=True)
@@ -68,14 +70,14 @@ def projection(tau: float, tiny: bool, gamma: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pair_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax_bench.pair", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, default=PAIR)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), default=[1, 8])
-    parser.add_argument("--tiny", action="store_true", help="the projection at bench.py's tiny plan (CPU dry run)")
+    parser.add_argument("--tiny", action="store_true", help="the projection at dense.py's tiny plan (CPU dry run)")
     args = parser.parse_args(argv)
     if 3 not in args.gammas:
         parser.error("--gammas must include 3: the projection is at gamma 3")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.pair / "target")
     texts = [p["text"].rstrip("\n") for p in json.loads((args.pair / "prompts.json").read_text()) if p["demo"]]
     prompts = [tokenizer(t)["input_ids"] for t in texts[:8]]
-    results = {"device": jax.devices()[0].device_kind, "versions": bench.versions(), "dtype": args.dtype,
+    results = {"device": jax.devices()[0].device_kind, "versions": versions(), "dtype": args.dtype,
                "max_new_tokens": args.max_new_tokens}
     results["end_to_end"] = end_to_end(target, drafter, prompts, args.gammas, args.max_new_tokens,
                                        eos_stop_ids(tokenizer), tuple(args.batches))

@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from eagle3_jax.checkpoints import hf_layout
+from eagle3_jax.models import weights as weights_lib
 from eagle3_jax.models.eagle3 import DrafterConfig
 
 
@@ -32,29 +33,19 @@ def specforge_config(cfg: DrafterConfig, max_position_embeddings: int, dtype: st
 
 
 def specforge_tensors(cfg: DrafterConfig, params: dict, d2t, dtype: str) -> dict[str, np.ndarray]:
-    """Our parameter pytree -> SpecForge's tensor names, q/k/v and gate/up split back apart."""
-    host = {k: np.asarray(jax.device_get(v.astype(jnp.dtype(dtype)))) for k, v in params.items()}
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = np.split(host["wqkv"], [N * H, (N + K) * H], axis=0)
-    gate, up = np.split(host["w_gate_up"], [cfg.intermediate_size], axis=0)
-    m = "midlayer."
+    """Our parameter pytree -> SpecForge's tensor names (the drafter's weight description under "midlayer."),
+    q/k/v and gate/up split back apart; d2t as int64 and t2d, its inverse, as bool."""
+    described = [w for w in weights_lib.drafter_weights(cfg, "midlayer.") if w.dtype is None]
+    tensors = hf_layout.to_hf(described, params, dtype)
     d2t = np.asarray(jax.device_get(d2t), np.int64)
     t2d = np.zeros((cfg.target_vocab_size,), bool)
     t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
-    tensors = {
-        "fc.weight": host["fc"], m + "hidden_norm.weight": host["hidden_norm"],
-        m + "input_layernorm.weight": host["embed_norm"], m + "post_attention_layernorm.weight": host["mlp_norm"],
-        m + "self_attn.q_proj.weight": q, m + "self_attn.k_proj.weight": k, m + "self_attn.v_proj.weight": v,
-        m + "self_attn.o_proj.weight": host["wo"], m + "mlp.gate_proj.weight": gate, m + "mlp.up_proj.weight": up,
-        m + "mlp.down_proj.weight": host["w_down"], "norm.weight": host["final_norm"],
-        "lm_head.weight": host["lm_head"],
-        "d2t": d2t, "t2d": t2d,
-    }
-    return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
+    return {**tensors, "d2t": d2t, "t2d": t2d}
 
 
 def export_specforge(folder: Path, cfg: DrafterConfig, params: dict, d2t, max_position_embeddings: int,
                      dtype: str = "bfloat16") -> Path:
+    """Writes config.json and model.safetensors into folder (created if needed); returns folder."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(specforge_config(cfg, max_position_embeddings, dtype), indent=2))
     save_file(specforge_tensors(cfg, params, d2t, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})

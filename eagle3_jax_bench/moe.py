@@ -1,0 +1,295 @@
+"""`eagle3-jax bench --model qwen3-30b-a3b`: a Qwen3-MoE target with an EAGLE-3 drafter against the GPU's limits.
+
+Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 heads of 128, 128 experts,
+8 per token, moe_intermediate 768, vocab 151936; about 61 GB) and a drafter in SpecBundle's layout for it
+(hidden 2048, intermediate 12288, 32 / 4 heads; head_dim 128 assumed; draft vocab 32000). Sections:
+
+* routing: how many distinct experts a step of B rows x T tokens reads per layer, from the target's own
+  routing (`qwen3.expert_ids`) of random tokens through its random routers.
+* decode (batch 1 and 8), verify of 2, 3, 4 tokens, and rounds at gamma 1, 2, 3: the whole target with
+  random routers. Floor: attention and dense weights, lm_head, the distinct routed experts' bytes (from
+  the routing section), KV; over the copy rate measured in the same run.
+* projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
+  an i.i.d. acceptance model fitted to it; the best gamma per batch.
+* experts: the MoE layers alone (the plan's first ffn_layers of them), every expert
+  path at 1 to 32 tokens, on random routing and on synthetic local routing (`--routing` says which is
+  timed first; both are measured). Floor: the distinct experts' bytes and the routers' over the copy rate.
+On the CPU it runs the same code at tiny shapes (a smoke test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.models import moe
+from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.config import Qwen3Config
+
+from . import dense, presets, steps
+from .core import Run, compile_timed, import_absl_library, time_chain
+from .inputs import normal, random_cache
+
+ROUTINGS = ("random", "local")
+PUBLISHED_TAU = (3, 2.5)  # SpecForge / SpecBundle Qwen3-30B-A3B, SGLang batch 8 chain, MT-bench: tau 2.5 at 3 steps
+LOCAL_REUSE = 0.5  # synthetic local routing: chance that each choice repeats one of the previous token's
+LOCAL_ZIPF = 1.0  # ... and the per-layer expert popularity of the other choices, p(rank r) ~ 1 / r^s
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+    base: dense.Plan
+    ffn_layers: int  # MoE layers in the experts section
+    ffn_tokens: tuple[int, ...]
+
+
+def qwen3_30b_a3b_plan() -> MoePlan:
+    base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
+                      spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 3, 4, 8, 32))
+
+
+def tiny_plan() -> MoePlan:
+    base = dense.Plan(*presets.pair("tiny-moe"), batches=(1,), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
+                      gammas=(1, 2), reps=2, inner=2, copy_bytes=1 << 20, matmul_n=128)
+    return MoePlan(base, ffn_layers=2, ffn_tokens=(1, 3))
+
+
+def synthetic_routing(kind: str, layers: int, rows: int, tokens: int, experts: int, top_k: int,
+                      seed: int = 0) -> np.ndarray:
+    """Expert ids [layers, rows * tokens, top_k]. "random": k distinct experts uniformly per token.
+    "local" (synthetic, not replayed from a real model): each choice repeats one of the previous token's
+    experts in the same row with probability LOCAL_REUSE, the others follow a per-layer Zipf popularity."""
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return np.argsort(rng.random((layers, rows * tokens, experts)), -1)[..., :top_k].astype(np.int32)
+    out = np.zeros((layers, rows, tokens, top_k), np.int32)
+    for layer in range(layers):
+        popularity = 1.0 / np.arange(1, experts + 1) ** LOCAL_ZIPF
+        popularity = popularity[np.argsort(rng.permutation(experts))]
+        for row in range(rows):
+            previous: list[int] = []
+            for t in range(tokens):
+                chosen = [e for e in previous if rng.random() < LOCAL_REUSE]
+                p = popularity.copy()
+                p[chosen] = 0
+                chosen += list(rng.choice(experts, top_k - len(chosen), replace=False, p=p / p.sum()))
+                out[layer, row, t] = previous = chosen
+    return out.reshape(layers, rows * tokens, top_k)
+
+
+def distinct_per_layer(ids: np.ndarray) -> np.ndarray:
+    """ids [layers, M, k] -> distinct experts read per layer [layers]."""
+    return np.array([len(np.unique(layer)) for layer in ids])
+
+
+def expert_bytes(cfg: Qwen3Config, itemsize: int) -> int:
+    """One expert's gate, up and down weights."""
+    return 3 * cfg.moe.moe_intermediate_size * cfg.hidden_size * itemsize
+
+
+def tau_model(gamma: int) -> float:
+    """tau at gamma when each draft is accepted with the same probability a, fitted to PUBLISHED_TAU:
+    tau(gamma) = 1 + a + ... + a^gamma."""
+    g0, t0 = PUBLISHED_TAU
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a**i for i in range(g0 + 1)) < t0 else (lo, a)
+    return sum(lo**i for i in range(gamma + 1))
+
+
+def _ffn_stack(layers, ids, weights, x, *, path):
+    """The MoE layers alone, chained through a residual add; x [M, D] (last: the state) donated."""
+    for layer, layer_ids, layer_weights in zip(layers, ids, weights):
+        x = x + path(x, layer_weights, layer_ids, layer["w_gate_up"], layer["w_down"])
+    return x, None
+
+
+def tokamax_paths() -> dict:
+    """tokamax's grouped GEMMs as expert paths, on [E, in, out] weights (the only layout its Triton and
+    Mosaic GPU kernels take); {} when tokamax is not installed."""
+    try:
+        tokamax = import_absl_library("tokamax")
+    except ImportError:
+        return {}
+
+    def run(impl):
+        dot = functools.partial(tokamax.ragged_dot, implementation=impl)
+        return functools.partial(moe.experts_grouped, ragged_dot=lambda lhs, w, sizes: dot(lhs, w, sizes))
+
+    return {f"tokamax_{impl}": run(impl) for impl in ("mosaic", "triton")}
+
+
+def _lax_in_out(lhs, w, sizes):
+    return jax.lax.ragged_dot(lhs, w, sizes)
+
+
+# lax.ragged_dot's own Pallas (Triton) lowering on the GPU, off by default in JAX: XLA's ragged dot measured
+# near the cost of reading every expert at one token (a probe of 8 layers: 15.9 ms against a 13.8 ms
+# all-experts floor), so this is timed as the alternative.
+PALLAS_LOWERING_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+
+
+@contextlib.contextmanager
+def jax_config(name: str, value):
+    previous = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, previous)
+
+
+def routing(run: Run, s: dense.Setup) -> np.ndarray:
+    """The target's own routing of random tokens [B max, T max]: a verify of T tokens routes exactly like
+    the first T tokens of this block (causal), so one pass gives every (batch, tokens) block's count.
+    Returns the distinct experts of each sub-block [sparse layers, rows, tokens]."""
+    t, plan = s.plan.target, s.plan
+    B, T = max(plan.spec_batches + plan.batches), max(plan.gammas) + 1
+    L = plan.spec_kv_length
+    cache = random_cache(t.num_layers, B, t.num_kv_heads, L + T, t.head_dim, L, s.dtype, 3)
+    tokens = jax.random.randint(jax.random.key(13), (B, T), 0, t.vocab_size, jnp.int32)
+    ids = jax.jit(target_lib.expert_ids, static_argnums=1)(s.tparams, t, tokens, cache)
+    ids = np.stack([np.asarray(i).reshape(B, T, -1) for i in ids])  # [layers, B, T, k]
+    distinct = np.array([[[len(np.unique(ids[:, :b, :n][layer])) for n in range(1, T + 1)]
+                          for b in range(1, B + 1)] for layer in range(len(ids))])
+    table = {f"b{b}": {f"t{n}": float(distinct[:, b - 1, n - 1].mean()) for n in range(1, T + 1)}
+             for b in sorted(set(plan.spec_batches + plan.batches))}
+    run.results["routing"] = {"source": "the target's random routers on random tokens",
+                              "mean_distinct_experts_per_layer": table}
+    run.log(f"routing {json.dumps(run.results['routing'])}")
+    return distinct
+
+
+def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
+    """s with floors that count only the routed experts a step reads: every target weight but the
+    embedding and the experts, plus the distinct experts of its (batch, tokens) block."""
+    cfg, itemsize = s.plan.target, jnp.dtype(s.dtype).itemsize
+    sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)]
+    experts = steps.nbytes([{k: s.tparams["layers"][i][k] for k in ("w_gate_up", "w_down")} for i in sparse])
+    dense_part = steps.target_weight_bytes(s.tparams) - experts
+
+    def target_read(batch: int, tokens: int) -> int:
+        return dense_part + int(distinct[:, batch - 1, tokens - 1].sum()) * expert_bytes(cfg, itemsize)
+
+    return dataclasses.replace(s, target_read=target_read)
+
+
+def _expert_paths() -> tuple[dict, dict]:
+    """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
+    paths = {"gathered": moe.experts_gathered, "grouped": moe.experts_grouped}
+    extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
+    if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
+        extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
+    return paths, extra
+
+
+def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) -> None:
+    """The MoE layers alone: every path at every token count of the plan, compiled once and timed on each
+    routing, against the distinct experts' bytes and the routers' over the copy rate."""
+    cfg = s.plan.target
+    sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)][: plan.ffn_layers]
+    layers = [s.tparams["layers"][i] for i in sparse]
+    paths, extra = _expert_paths()
+    # [E, in, out] copies for the paths that need that layout (tokamax's kernels, lax.ragged_dot's default)
+    swapped = [{k: jnp.swapaxes(layer[k], 1, 2) for k in ("w_gate_up", "w_down")} for layer in layers]
+    itemsize, E, k = jnp.dtype(s.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
+    routers = steps.nbytes([w["router"] for w in layers])
+    for tokens in plan.ffn_tokens:
+        ids = {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
+        weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
+        x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
+        for name, path in {**paths, **extra}.items():
+            if not run.time_left(f"experts t{tokens} {name}"):
+                return
+            stack = swapped if name in extra else layers
+            flag = name.endswith("_pallas_lowering")
+            try:
+                step = steps.jit_step(_ffn_stack, 4, path=path)
+                with jax_config(PALLAS_LOWERING_FLAG, True) if flag else contextlib.nullcontext():
+                    compiled, compile_s = compile_timed(step, stack, jnp.asarray(ids[routings[0]]), weights, x)
+            except Exception as e:  # a library kernel refusing a shape or a layout: recorded, not fatal
+                run.add("experts", {"tokens": tokens, "path": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            for routing_name, routed in ids.items():
+                distinct = distinct_per_layer(routed)
+                read = int(distinct.sum()) * expert_bytes(cfg, itemsize) + routers
+                seconds, x = time_chain(compiled, x, (stack, jnp.asarray(routed), weights), s.plan.reps,
+                                        s.plan.inner)
+                entry = {"routing": routing_name, "tokens": tokens, "path": name, "layers": len(layers),
+                         "distinct_experts_per_layer": float(distinct.mean())}
+                run.row("experts", entry, seconds, read, compile_s)
+    del swapped
+
+
+def projection(run: Run, s: dense.Setup) -> None:
+    """Tokens/s of speculation against spec-off per batch and gamma, at the modelled tau, and the best gamma."""
+    out = {}
+    L = s.plan.spec_kv_length
+    for batch in s.plan.spec_batches:
+        off = [r for r in run.results.get("decode", []) if r["batch"] == batch and r["kv_len"] == L]
+        rounds = [r for r in run.results.get("round", []) if r["batch"] == batch]
+        if not off or not rounds:
+            continue
+        rows = {r["gamma"]: {"tau": tau_model(r["gamma"]), "round_ms": r["time_ms"],
+                             "break_even_tau": r["time_ms"] / off[0]["time_ms"],
+                             "speedup": tau_model(r["gamma"]) * off[0]["time_ms"] / r["time_ms"]} for r in rounds}
+        best = max(rows, key=lambda g: rows[g]["speedup"])
+        out[f"batch_{batch}"] = {"spec_off_ms": off[0]["time_ms"], "gammas": rows, "best_gamma": best,
+                                 "best_speedup": rows[best]["speedup"]}
+    run.record("projection", {"tau_model": f"i.i.d. acceptance fitted to tau {PUBLISHED_TAU[1]} at gamma "
+                              f"{PUBLISHED_TAU[0]}", **out})
+
+
+def run_all(run: Run, s: dense.Setup, plan: MoePlan, routing_first: str) -> dict:
+    """Ceilings, routing, decode, every (batch, gamma) set on the routed floors, the projection, then the
+    experts section on both routings, `routing_first` first."""
+    kernels = s.kernels[0]
+    run.results["routing_used"] = {"steps": "random routers", "experts_section_first": routing_first}
+    run.ceilings(s.plan.copy_bytes, s.plan.matmul_n)
+    s = routed_setup(s, routing(run, s))
+    for batch in s.plan.batches:
+        if run.time_left(f"decode b{batch}"):
+            dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels)
+    for batch in s.plan.spec_batches:
+        for gamma in s.plan.gammas:
+            dense.spec_set(run, s, batch, gamma, kernels)
+    projection(run, s)
+    experts(run, s, plan, (routing_first,) + tuple(r for r in ROUTINGS if r != routing_first))
+    return run.results
+
+
+def summary(results: dict) -> str:
+    """The experts section by path, the routing and the projection (after the dense table)."""
+    lines = []
+    if "routing" in results:
+        lines.append(f"distinct experts per layer ({results['routing']['source']}): "
+                     + json.dumps(results["routing"]["mean_distinct_experts_per_layer"]))
+    lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
+                 f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
+    for r in results.get("experts", []):
+        label = f"experts {r.get('routing', ''):6s} t={r['tokens']:<3d} {r['path']:16s}"
+        if "error" in r:
+            lines.append(f"{label} not run: {r['error'][:100]}")
+        else:
+            lines.append(f"{label} {r['time_ms']:8.3f} ms  floor {r['floor_ms']:7.3f}  x{r['ratio']:5.2f}  "
+                         f"({r['distinct_experts_per_layer']:.1f} experts/layer, {r['layers']} layers)")
+    proj = results.get("projection", {})
+    for key, p in proj.items():
+        if key.startswith("batch_"):
+            per = "; ".join(f"gamma {g}: tau {v['tau']:.2f}, round {v['round_ms']:.2f} ms, break-even tau "
+                            f"{v['break_even_tau']:.2f}, speedup {v['speedup']:.2f}x" for g, v in p["gammas"].items())
+            lines.append(f"projection {key} (spec-off {p['spec_off_ms']:.2f} ms, {proj['tau_model']}): {per}; "
+                         f"best gamma {p['best_gamma']} ({p['best_speedup']:.2f}x)")
+    if not tokamax_paths():
+        lines.append("tokamax: not installed, its ragged_dot not measured")
+    lines.append("tokamax.gated_linear_unit: not measured (a dense GLU with no expert dimension: it does not "
+                 "apply to routed experts without first gathering them)")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""`eagle3-jax bench --sampling-only`: a sampled round against a greedy round as the engine runs them (the
+aim: at most 3% more), and the engine's top-k / top-p filter against the textbook one sort per row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding import spec_round
+
+from . import steps
+from .core import Run, time_pure
+from .dense import Setup
+from .inputs import random_state
+
+SETTINGS = (("qwen3_defaults", (0.6, 20, 0.95)), ("top_p_only", (1.0, 0, 0.95)))  # (temperature, top_k, top_p)
+
+
+def sorted_filter(logits, temperature, top_k, top_p):
+    """The textbook top-k / top-p, one descending sort per row, for timing against the engine's filter
+    (sampling.filtered_probs, which needs no sort). Ties at the boundary are not treated as the engine does."""
+    x = logits / temperature[:, None]
+    ordered = -jnp.sort(-x, axis=-1)  # descending
+    rows = jnp.arange(x.shape[0])
+    kth = jnp.where(top_k > 0, ordered[rows, jnp.maximum(top_k - 1, 0)], -jnp.inf)
+    ordered = jnp.where(ordered >= kth[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each one
+    cut = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1)
+    kept = jnp.where(x >= jnp.maximum(kth, cut)[:, None], x, -jnp.inf)
+    return jax.nn.softmax(kept, axis=-1)
+
+
+def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str | None,
+                  settings: tuple | None) -> steps.EngineCall:
+    """A call of rounds from a random state at the plan's KV length: greedy when proposal is None, else
+    every row sampling with settings (temperature, top_k, top_p)."""
+    capacity = min(s.plan.spec_kv_length + 512, s.plan.target.max_position_embeddings)
+    spec = spec_round.StepSpec(target=s.plan.target, drafter=s.plan.drafter, gamma=gamma, max_len=capacity,
+                               kernels=kernels, sampling=proposal is not None, proposal=proposal or "argmax")
+    state = random_state((s.plan.target, s.plan.drafter), batch, s.plan.spec_kv_length, capacity, s.dtype,
+                         with_drafter=True)
+    if proposal is not None:
+        t, k, p = settings
+        state = dataclasses.replace(state, sampling=sampling_lib.SamplingParams(
+            temperature=jnp.full((batch,), t, jnp.float32), top_k=jnp.full((batch,), k, jnp.int32),
+            top_p=jnp.full((batch,), p, jnp.float32), seed=jnp.zeros((batch, 2), jnp.uint32)))
+    return steps.engine_rounds(spec, s.tparams, s.dparams, state, s.rounds_per_call, s.plan.reps, s.plan.inner)
+
+
+def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
+    """The sampled round for each proposal mode at Qwen3's generation_config settings (temperature 0.6,
+    top-k 20, top-p 0.95) and with top-p alone (temperature 1, top-p 0.95), against the greedy round. Then
+    the filter alone over the verify's logits [batch (gamma + 1), V] at Qwen3's settings, against one sort
+    per row."""
+    greedy = sampled_round(s, batch, gamma, kernels, None, None)
+    entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": s.rounds_per_call,
+             "greedy_ms": greedy.seconds * 1e3, "compile_s": {"greedy": greedy.compile_s}}
+    for proposal in engine_lib.PROPOSALS:
+        for label, settings in SETTINGS:
+            timed = sampled_round(s, batch, gamma, kernels, proposal, settings)
+            entry[f"{proposal}_{label}_ms"] = timed.seconds * 1e3
+            entry[f"{proposal}_{label}_extra"] = timed.seconds / greedy.seconds - 1
+            entry["compile_s"].setdefault(proposal, timed.compile_s)  # new settings reuse the executable
+    rows, V = batch * (gamma + 1), s.plan.target.vocab_size
+    logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
+    settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
+    for name, fn in (("filter_ms", sampling_lib.filtered_probs), ("filter_sort_ms", sorted_filter)):
+        compiled = jax.jit(fn).lower(logits, *settings).compile()
+        entry[name] = time_pure(compiled, (logits, *settings), s.plan.reps, s.plan.inner) * 1e3
+    run.add("sampling", entry)
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = []
+    for e in results.get("sampling", []):
+        rounds = ", ".join(f"{p} {e[f'{p}_{label}_ms']:.3f} ms ({e[f'{p}_{label}_extra'] * 100:+.1f}%)"
+                           for p in engine_lib.PROPOSALS for label, _ in SETTINGS if f"{p}_{label}_ms" in e)
+        lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
+                     f"(qwen3_defaults, then top_p_only) {rounds}")
+        lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
+            f"{k[:-3]} {e[k]:.3f} ms" for k in ("filter_ms", "filter_sort_ms") if k in e))
+    return lines
