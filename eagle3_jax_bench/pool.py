@@ -37,7 +37,8 @@ from eagle3_jax.decoding.scheduler import admission_rows
 from eagle3_jax.models import kernels as kernels_lib
 
 from . import dense, presets
-from .core import Run, count_compilations, versions
+from .core import Run, versions
+from .profile import count_compilations
 
 
 def random_workload(count: int, lengths: tuple[int, int], budgets: tuple[int, int], vocab: int, seed: int = 0):

@@ -27,7 +27,7 @@ import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import scheduler, slots, spec_round
-from eagle3_jax.decoding.request import Request, is_int
+from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.decoding.request import bucket_length as bucket_length  # training/batching.py's prompt buckets
 from eagle3_jax.models import kernels as kernels_lib
 
@@ -243,6 +243,30 @@ class Engine:
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
         return ((e.prompt, e.tokens) for e in self._events(request) if e.tokens)
+
+    def compile(self, longest_prompt: int, *, samples: bool = False) -> int:
+        """Runs every step a full pool (max_batch slots) can run for prompts of up to `longest_prompt`
+        tokens once, on dummy rows, so that no later request of such prompts waits on XLA: each admission
+        shape (prompt bucket x rows, scheduler.admission_rows) and the call of rounds; greedy, or the
+        sampling build when `samples`. Returns how many admission shapes ran."""
+        template = self.request([[0] * longest_prompt], 1, temperature=1.0 if samples else 0.0)
+        ops, pool = self._ops(template), self.max_batch
+        state = ops.empty(pool, template)
+        shapes, bucket = set(), bucket_length(1, self.max_len)
+        while True:
+            length = min(bucket, longest_prompt)
+            rows_cap = max(self.prefill_tokens // bucket_length(length, self.max_len), 1)
+            for rows in sorted({scheduler.admission_rows(n, pool) for n in range(1, min(pool, rows_cap) + 1)}):
+                rows_request = self.request([[0] * length] * rows, 1, temperature=1.0 if samples else 0.0)
+                drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
+                state, packed = ops.admit(state, rows_request, drop)
+                shapes.add((rows, length))
+            if length == longest_prompt:
+                break
+            bucket *= 2
+        state, packed = ops.rounds(state)
+        ops.fetch(packed)
+        return len(shapes)
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
