@@ -159,14 +159,16 @@ class Engine:
         [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
         settings and seed give the same tokens whatever the other rows. Bad values raise ValueError before
         any device work.
+        Every token id, max_new_tokens, stop id, top_k and seed is an int (a numpy integer too; not a bool,
+        not a float); a prompt is a list or tuple of them or a 1-D integer array, and prompts may be a 2-D
+        integer array. Anything else raises ValueError naming the argument and the prompt index.
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
         the round's one transfer either way, so tracing adds no device work and no transfer."""
-        tokens = [[] for _ in prompts]
-        accepts = [[] for _ in prompts]
-        traces = [[] for _ in prompts]
-        reasons = ["length"] * len(prompts)
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
+        B = len(request.lengths)
+        tokens, accepts, traces = ([[] for _ in range(B)] for _ in range(3))
+        reasons = ["length"] * B
         for out, live in self._rounds(request):
             accepted, done = out.accepted.tolist(), out.done.tolist()
             for i, new in enumerate(out.tokens):
