@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 import eagle3_jax
 from eagle3_jax.checkpoints.target_export import export_hf
+from eagle3_jax.checkpoints.tokenizer import load_tokenizer
 from eagle3_jax.demo import PAIR, build, corpus
 from eagle3_jax.demo.__main__ import main as demo_main
 from eagle3_jax.models import qwen3
@@ -77,6 +78,52 @@ def test_demo_output_is_spec_off_output(capsys):
     assert out.count("(held out)") == 2 and "output identical to spec off" in out
     # A drafter that had learnt nothing would give tau 1; this one gives 3.2 greedy and 1.44 sampled here.
     assert summary["tau"] > 2.5 and summary["sampled_tau"] > 1.2
+
+
+
+def committed_drafts(result, prompt_length: int, max_len: int) -> tuple[list[int], int]:
+    """Per round, the drafts a cut run committed, from its trace and tokens alone: the target's verdict (the
+    drafts matching its choices), at most the drafts the cache can take, at most the tokens the round
+    emitted. Also how many rounds were cut inside their accepted span."""
+    start, out, inside = 1, [], 0  # prefill emits token 0
+    for r in result.rounds:
+        verdict = next((j for j, (d, t) in enumerate(zip(r.drafted, r.target)) if d != t), len(r.drafted))
+        accepted = min(verdict, max_len - prompt_length - start - 1)
+        emitted = min(accepted + 1, len(result.token_ids) - start)
+        assert result.token_ids[start : start + emitted] == r.target[:emitted]
+        out.append(min(accepted, emitted))
+        inside += emitted <= accepted
+        start += emitted
+    assert start == len(result.token_ids)
+    return out, inside
+
+
+def test_accept_lengths_count_the_drafts_a_cut_round_commits(pair, demo_prompts):
+    """A round cut short by a stop token inside its accepted span, by max_new_tokens or by max_len reports
+    the drafts it emitted. The demo's two prompts and engine (the test above's): nothing compiles again."""
+    target, drafter = pair
+    tokenizer = load_tokenizer(PAIR / "target")
+    prompts = [tokenizer(p["text"].rstrip("\n"))["input_ids"] for p in demo_prompts[:2]]
+    max_len = max(map(len, prompts)) + 24 + 3 + 2
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=max_len)
+    full = engine.generate(prompts, 12)
+    text = sum(prompts, [])
+    inside = 0
+    for kept in (2, 3, 6):  # inside the first rounds' spans (tau is about 3.5 here)
+        stop = full[0].token_ids[kept - 1]
+        edge = [text[: max_len - kept], text[1 : max_len - kept - 3]]  # room for kept and kept + 3 tokens
+        for request, results in [
+            (prompts, engine.generate(prompts, 12, stop_token_ids=[stop], trace=True)),
+            (prompts, engine.generate(prompts, kept, trace=True)),
+            (edge, engine.generate(edge, max_len, trace=True)),
+        ]:
+            for prompt, result in zip(request, results):
+                expected, cut_inside = committed_drafts(result, len(prompt), max_len)
+                assert result.accept_lengths == expected == [r.accepted for r in result.rounds]
+                inside += cut_inside
+            if request is prompts:  # cut runs of the uncut run's prompts: its tokens, up to the cut
+                assert all(r.token_ids == f.token_ids[: len(r.token_ids)] for r, f in zip(results, full))
+    assert inside  # some rounds were cut inside their accepted span: there the target accepted more
 
 
 def test_pair_bench_dry_run(tmp_path):

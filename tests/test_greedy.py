@@ -67,11 +67,16 @@ def test_prompt_filling_max_len_gives_nothing(model_and_target):
         ([[1, -1]], {}, "token id -1 outside"),
         ([list(range(1, 40))], {}, "more than max_len=32"),
         ([], {}, "non-empty list"),
+        (7, {}, "non-empty list"),
         ([1, 2, 3], {}, "prompt 0 must be a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
         ([[1]], {"max_new_tokens": True}, "max_new_tokens must be a positive int, got True"),
         ([[1]], {"stop_token_ids": [999]}, "stop token id 999 is not an int in the vocabulary"),
         ([[1]], {"stop_token_ids": [2.5]}, "stop token id 2.5 is not an int"),
+        ([[45.9, 16]], {}, "prompt 0 has 45.9 at position 0: token ids are ints"),
+        ([[1], [True, 16]], {}, "prompt 1 has True at position 0: token ids are ints"),
+        (np.array([[1.0, 2.0]]), {}, "prompt 0 must be a 1-D array of integer token ids"),
+        ([[1]], {"stop_token_ids": 0}, "stop_token_ids must be a list of token ids, got 0"),
     ],
 )
 def test_bad_requests_raise_before_device_work(model_and_target, prompts, kwargs, message):

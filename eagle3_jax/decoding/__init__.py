@@ -1,2 +1,2 @@
-"""Decoding: the jitted prefill and speculative round (`spec_round`) and the host loop around them
-(`engine`)."""
+"""Decoding: a checked request (`request`), the jitted prefill and speculative round (`spec_round`), the
+layout of what a round reports (`round_output`), and the host loop around them (`engine`)."""

@@ -21,7 +21,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
@@ -87,16 +89,10 @@ def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
     return num_emit, done
 
 
-def _pack(choices, drafts, num_emit, accepted, done) -> jax.Array:
-    """One int32 array [B, 2 gamma + 4] per round, so the host needs a single transfer:
-    [target choices (gamma + 1), drafts (gamma), tokens emitted, drafts accepted, done]."""
-    columns = [num_emit[:, None], accepted[:, None], done[:, None].astype(jnp.int32)]
-    return jnp.concatenate([choices, drafts] + columns, axis=1)
-
-
-def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, sampling=None, *, spec: StepSpec):
-    """tokens [B, Tp] right-padded prompts -> (DecodeState, packed first token). sampling: the rows'
-    settings (SamplingParams) when spec.sampling, else None."""
+def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
+    """A request (its arrays on the device; `request.sampling` set when spec.sampling) -> (DecodeState, the
+    first token packed as a round's output)."""
+    tokens, prompt_lengths, sampling = request.tokens, request.lengths, request.sampling
     B, Tp = tokens.shape
     dtype = tparams["embed"].dtype
     cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
@@ -127,15 +123,15 @@ def prefill(tparams, dparams, tokens, prompt_lengths, max_new, stop_ids, samplin
         last_token=first,
         draft_hidden=draft_hidden,
         num_generated=zeros,
-        max_new=max_new,
-        stop_ids=stop_ids,
+        max_new=request.max_new,
+        stop_ids=request.stop_ids,
         done=prompt_lengths >= spec.max_len,  # no room for even one token
         sampling=sampling,
     )
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
     unused = jnp.zeros((B, spec.gamma), jnp.int32)  # same width as a round's output: one unpacking
-    return state, _pack(jnp.concatenate([first[:, None], unused], axis=1), unused, num_emit, zeros, done)
+    return state, round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused, num_emit, zeros, done)
 
 
 def _accept(drafts, choices, room):
@@ -229,11 +225,14 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
             draft_cache=draft_cache.with_lengths(new_length),
             draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
         )
-    return new_state, _pack(choices, drafts, num_emit, jnp.where(live, accepted, 0), done)
+    # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
+    # emits; a frozen row emits none.
+    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done)
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]).
+    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]
+    (round_output.py)).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does."""

@@ -1,0 +1,165 @@
+"""A generation request, checked on the host before any device work and laid out as the device takes it.
+
+Every field holds one row per prompt: its tokens (right-padded to a prompt bucket), its length, its
+max_new_tokens, its stop ids and its sampling settings. Rows never share a setting, so rows of different
+requests can sit side by side in one batch. Bad input raises ValueError naming the argument, and the prompt
+index where there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+
+import jax
+import numpy as np
+
+from eagle3_jax.decoding.sampling import SamplingParams
+
+_MIN_PREFILL_BUCKET = 16
+_STOP_SLOTS = 8  # stop ids are padded to a multiple of this, so their number rarely recompiles
+_SEQUENCES = (list, tuple, np.ndarray)
+# Below this, logits / temperature can overflow float32 (to inf at about 1e-37 times a logit of 10):
+# such a temperature is refused rather than sampled wrongly; 0 is greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """B rows, as host arrays from `Request.build`; `jax.device_put` of it is prefill's input."""
+
+    tokens: np.ndarray  # [B, T] int32: the prompts, right-padded with 0 to their bucket (`bucket_length`)
+    lengths: np.ndarray  # [B] int32: the prompts' lengths
+    max_new: np.ndarray  # [B] int32: the most tokens each row may emit (max_new_tokens, at most max_len)
+    stop_ids: np.ndarray  # [B, P] int32: each row's stop token ids, padded with -1
+    sampling: SamplingParams | None  # each row's settings; None when every row is greedy
+
+    @property
+    def samples(self) -> bool:
+        """Whether some row samples: such a request runs the sampling build of the steps."""
+        return self.sampling is not None
+
+    def budget(self, max_len: int) -> np.ndarray:
+        """[B] the most tokens each row can emit: its max_new_tokens, or the room left below max_len."""
+        return np.minimum(self.max_new, max_len - self.lengths)
+
+    def is_stop(self, row: int, token: int) -> bool:
+        """Whether `token` is one of the row's stop ids (not the padding)."""
+        return token >= 0 and bool(np.any(self.stop_ids[row] == token))
+
+    @classmethod
+    def build(cls, prompts, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int,
+              temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+        """The request `Engine.generate` describes (see there), checked: ValueError on any bad value."""
+        rows = _prompt_rows(prompts, max_len, vocab_size)
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        stops = _stop_ids(stop_token_ids, vocab_size)
+        B = len(rows)
+        tokens = np.zeros((B, bucket_length(max(len(p) for p in rows), max_len)), np.int32)
+        for i, p in enumerate(rows):
+            tokens[i, : len(p)] = p
+        stop_ids = np.full((B, max(_STOP_SLOTS, -(-len(stops) // _STOP_SLOTS) * _STOP_SLOTS)), -1, np.int32)
+        stop_ids[:, : len(stops)] = stops
+        # No row can emit more than max_len tokens: the clamp keeps the int32 in range.
+        max_new = np.full((B,), min(int(max_new_tokens), max_len), np.int32)
+        return cls(tokens, np.array([len(p) for p in rows], np.int32), max_new, stop_ids,
+                   _sampling_settings(B, temperature, top_k, top_p, seed))
+
+
+def bucket_length(length: int, max_len: int) -> int:
+    """The padded length of a row of `length` tokens: a power of two from 16 up, capped at max_len, so that
+    padding stays under half a row and few shapes compile."""
+    return min(max(_MIN_PREFILL_BUCKET, 1 << (length - 1).bit_length()), max_len)
+
+
+def is_int(x) -> bool:
+    """An int, or a numpy integer; not a bool (True is not a token id, a budget or a count)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+
+
+def _token_ids(where: str, ids) -> list[int]:
+    """A sequence of token ids as a list of Python ints; ValueError naming `where` for anything else."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"{where} must be a 1-D array of integer token ids, got {ids.ndim}-D {ids.dtype}")
+        return ids.tolist()
+    if not isinstance(ids, (list, tuple)):  # a ValueError, as for every bad request
+        raise ValueError(f"{where} must be a list of token ids, got {type(ids).__name__}")  # noqa: TRY004
+    for j, t in enumerate(ids):
+        if type(t) is not int and not is_int(t):  # the type check first: it is the common case
+            raise ValueError(f"{where} has {t!r} at position {j}: token ids are ints")
+    return [int(t) for t in ids]
+
+
+def _prompt_rows(prompts, max_len: int, vocab_size: int) -> list[list[int]]:
+    """The prompts as lists of ints, each checked (non-empty, fits max_len, ids in the vocabulary)."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim != 2:
+        raise ValueError(f"prompts must be a list of token-id lists (or a 2-D array), got a {prompts.ndim}-D array")
+    if not isinstance(prompts, _SEQUENCES) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    rows = []
+    for i, p in enumerate(prompts):
+        row = _token_ids(f"prompt {i}", p)
+        if not row:
+            raise ValueError(f"prompt {i} is empty")
+        if len(row) > max_len:
+            raise ValueError(f"prompt {i} has {len(row)} tokens, more than max_len={max_len}")
+        if min(row) < 0 or max(row) >= vocab_size:
+            bad = next(t for t in row if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
+        rows.append(row)
+    return rows
+
+
+def _stop_ids(stop_token_ids, vocab_size: int) -> list[int]:
+    if not isinstance(stop_token_ids, _SEQUENCES):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+    bad = [t for t in list(stop_token_ids) if not is_int(t) or not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"stop token id {bad[0]!r} is not an int in the vocabulary [0, {vocab_size})")
+    return [int(t) for t in stop_token_ids]
+
+
+def _per_row(name: str, value, B: int) -> list[tuple[object, str]]:
+    """A scalar for every row, or a list of one value per row: (value, where) per row, where names the
+    prompt when the values were given per prompt."""
+    if isinstance(value, _SEQUENCES):
+        if len(value) != B:
+            raise ValueError(f"{name} has {len(value)} values for {B} prompts")
+        return [(v, f" (prompt {i})") for i, v in enumerate(value)]
+    return [(value, "")] * B
+
+
+def _sampling_settings(B: int, temperature, top_k, top_p, seed) -> SamplingParams | None:
+    """The rows' sampling settings as host arrays, checked; None when every row is greedy."""
+    temps, ks, ps, seeds = (_per_row(n, v, B) for n, v in
+                            (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)))
+    for t, where in temps:
+        if not _is_real(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {t!r}{where}")
+    for k, where in ks:
+        if not is_int(k) or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {k!r}{where}")
+    for p, where in ps:
+        if not _is_real(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: no top-p filter), got {p!r}{where}")
+    for s, where in seeds:
+        if s is not None and (not is_int(s) or not 0 <= s < 2**64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {s!r}{where}")
+    if all(t == 0 for t, _ in temps):
+        return None
+    seeds = [secrets.randbits(64) if s is None else int(s) for s, _ in seeds]
+    key_data = np.array([[s >> 32, s & 0xFFFFFFFF] for s in seeds], np.uint32)
+    # top_k beyond int32 keeps every token, as any value >= the vocabulary size does.
+    return SamplingParams(temperature=np.array([t for t, _ in temps], np.float32),
+                          top_k=np.array([min(int(k), 2**31 - 1) for k, _ in ks], np.int32),
+                          top_p=np.array([p for p, _ in ps], np.float32), seed=key_data)
