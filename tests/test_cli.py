@@ -48,6 +48,22 @@ def test_generate_with_text_prompt(folders, capsys):
     assert first == [f"w{pi[5]}", f"w{pi[pi[5]]}", f"w{pi[pi[pi[5]]]}", f"w{pi[pi[pi[pi[5]]]]}"]
 
 
+
+def test_text_skips_special_tokens_and_the_dtype_fits_the_device(folders, capsys):
+    """The eos stop token (w47) ends the output but is not printed, nor is the unknown token w0, unless
+    --show-special-tokens; without --dtype the CPU runs float32, and says so."""
+    command = ["generate", "--target", str(folders / "target"), "--prompt-ids", "3,17,5", "--max-new-tokens", "48",
+               "--max-len", "64"]
+    target = eagle3_jax.load_target(folders / "target", dtype="float32")
+    (expected,) = eagle3_jax.Engine(target, max_len=64).generate([[3, 17, 5]], 48, stop_token_ids=[47])
+    assert expected.finish_reason == "stop" and expected.token_ids[-1] == 47
+    plain = [t for t in expected.token_ids if t not in (0, 47)]
+    for flags, shown in (([], plain), (["--show-special-tokens"], expected.token_ids)):
+        assert main(command + flags) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == " ".join(f"w{t}" for t in shown) and "dtype: float32 (the default on cpu)" in out
+
+
 def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "config.json: file not found" in capsys.readouterr().err

@@ -72,6 +72,7 @@ def test_prompt_filling_max_len_is_refused(model_and_target):
         ([[1, -1]], {}, "token id -1 outside"),
         ([list(range(1, 40))], {}, "has 39 tokens: it must be shorter than max_len=32"),
         ([], {}, "non-empty list"),
+        (7, {}, "non-empty list"),
         ([1, 2, 3], {}, "prompt 0 must be a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
         ([[1]], {"max_new_tokens": True}, "max_new_tokens must be a positive int, got True"),

@@ -4,11 +4,11 @@ on the host: no weights, no compilation."""
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import measure
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
@@ -54,11 +54,13 @@ def test_round_output_unpacks_what_pack_wrote():
 
 
 def engine_parts(max_positions: int = 1024):
-    """A Target and a Drafter with configs only: Engine checks its arguments before touching weights."""
-    target_config, drafter_config = measure.model_pair(vocab=100, hidden=64, intermediate=128, layers=4, heads=4,
+    """A Target and a Drafter with configs and no weights (the embedding's shape and dtype alone, which size
+    the pool's caches): Engine checks its arguments before touching weights."""
+    target_config, drafter_config = presets.dense_pair(vocab=100, hidden=64, intermediate=128, layers=4, heads=4,
                                                        kv_heads=2, head_dim=16, theta=1e4, draft_vocab=64,
                                                        max_positions=max_positions)
-    return Target(target_config, {}, Path()), Drafter(drafter_config, {}, Path())
+    embed = jax.ShapeDtypeStruct((100, 64), jnp.float32)
+    return Target(target_config, {"embed": embed}, Path()), Drafter(drafter_config, {}, Path())
 
 
 @pytest.mark.parametrize("max_positions, expected", [(1024, 1024), (40960, 2048)])

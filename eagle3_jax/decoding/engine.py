@@ -28,7 +28,6 @@ import numpy as np
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import scheduler, slots, spec_round
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
-from eagle3_jax.decoding.request import bucket_length as bucket_length  # training/batching.py's prompt buckets
 from eagle3_jax.models import kernels as kernels_lib
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
@@ -167,7 +166,7 @@ class Engine:
 
     @property
     def spec(self) -> spec_round.StepSpec:
-        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
+        """The static configuration the jitted steps (`jit_admit`, `jit_rounds`) are compiled for when
         every row is greedy (requests with a sampled row run it with `sampling=True`)."""
         return self._spec
 
@@ -193,13 +192,17 @@ class Engine:
         [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
         settings and seed give the same tokens whatever the other rows and whichever slot it runs in.
         Bad values raise ValueError before any device work.
+        Every token id, max_new_tokens, stop id, top_k and seed is an int (a numpy integer too; not a bool,
+        not a float); a prompt is a list or tuple of them or a 1-D integer array, and prompts may be a 2-D
+        integer array. Anything else raises ValueError naming the argument and the prompt index.
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
         the round's one transfer either way, so tracing adds no device work and no transfer.
         progress: a progress bar (prompts done, tokens/s) on stderr; None shows it when there are more
         prompts than slots."""
-        results: list[Result | None] = [None] * len(prompts)
-        for i, result in self.as_completed(prompts, max_new_tokens, stop_token_ids, temperature=temperature,
-                                           top_k=top_k, top_p=top_p, seed=seed, trace=trace, progress=progress):
+        request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed)
+        results: list[Result | None] = [None] * request.num_rows
+        for i, result in self._completed(request, trace, _checked_progress(progress)):
             results[i] = result
         return results
 
@@ -210,9 +213,7 @@ class Engine:
         abandon at any point. A bad request raises here, before any device work."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
-        if progress is not None and not isinstance(progress, bool):
-            raise ValueError(f"progress must be a bool or None, got {progress!r}")
-        return self._completed(request, trace, progress)
+        return self._completed(request, trace, _checked_progress(progress))
 
     def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
         P = request.num_rows
@@ -384,6 +385,12 @@ class _ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _checked_progress(progress):
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress must be a bool or None, got {progress!r}")
+    return progress
 
 
 def _progress_bar(prompts: int, slots: int, progress: bool | None) -> _ProgressBar | None:

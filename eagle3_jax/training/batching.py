@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from eagle3_jax.decoding.engine import bucket_length
+from eagle3_jax.decoding.request import bucket_length
 from eagle3_jax.training.data import Sample
 
 
