@@ -14,6 +14,7 @@ from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput, pack, width
+from eagle3_jax_bench import presets
 
 
 def build(prompts, max_new_tokens=4, stop_token_ids=(), **settings):
@@ -129,7 +130,7 @@ BAD_SEQUENCES = [
     (np.array([[1.5, 2.0]]), {}, "prompt 0 must be a 1-D array of integer token ids"),
     ([[1]], {"stop_token_ids": 0}, "stop_token_ids must be a list of token ids, got 0"),
     ([[1]], {"stop_token_ids": "ab"}, "stop_token_ids must be a list of token ids, got 'ab'"),
-    ([[1]], {"stop_token_ids": [[1]]}, r"stop token id \[1\] is not an int"),
+    ([[1]], {"stop_token_ids": [[1], 2]}, r"stop token id \[1\] is not an int"),
 ]
 
 
