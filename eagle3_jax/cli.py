@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
@@ -42,10 +43,6 @@ def _default_cache_dir() -> str | None:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "xla")
 
 
-# What transformers' generate uses for a sampling setting its GenerationConfig leaves unset.
-_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
 def _sampling(args) -> dict:
     """The sampling settings, as transformers' generate settles them: the target folder's
     generation_config.json (its do_sample, temperature, top_k and top_p, transformers' defaults for any it
@@ -53,14 +50,10 @@ def _sampling(args) -> dict:
     without --seed draws one, so the printed settings repeat it."""
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {k: v for k, v in flags.items() if v is not None}
-    settings, source = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "defaults"
-    if (Path(args.target) / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        config = GenerationConfig.from_pretrained(args.target)
-        if config.do_sample:
-            settings = {k: _HF_DEFAULTS[k] if getattr(config, k) is None else getattr(config, k) for k in flags}
-        source = "generation_config.json"
+    settings, source = dict(GREEDY), "defaults"
+    from_file = generation_sampling(args.target)
+    if from_file is not None:
+        settings, source = from_file, "generation_config.json"
     if given:
         source = "flags" if source == "defaults" else f"flags over {source}"
     settings = {**settings, **given}
