@@ -2,9 +2,11 @@
 orbax checkpoints with exact resume. It is how the demo pair's target is made (eagle3_jax/demo/build.py); a
 drafter for a real target is trained with `train_drafter` instead.
 
-The data is one token stream (documents joined by an end-of-text id); update i reads `batch_size` windows of
-`seq_len + 1` tokens at offsets drawn from (seed, i) alone, so a resumed run reads what an uninterrupted one
-would. Master parameters and the optimizer state are float32; the forward and backward run in compute_dtype.
+The loop, its output folder (run record, metrics.jsonl, checkpoints) and its stop on SIGINT/SIGTERM are
+the drafter trainer's (`loop.py`). The data is one token stream (documents joined by an end-of-text id);
+update i reads `batch_size` windows of `seq_len + 1` tokens at offsets drawn from (seed, i) alone, so a
+resumed run reads what an uninterrupted one would. Master parameters and the optimizer state are float32; the
+forward and backward run in compute_dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import optax
 
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.training.trainer import checkpoint_manager
+from eagle3_jax.training import loop
 
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm")
 INIT_STD = 0.02  # transformers' Qwen3 initializer_range
@@ -154,61 +156,33 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
              time_budget_s: float = math.inf, log_every: int = 50, checkpoint_every: int = 500,
              held_out: np.ndarray | None = None) -> PretrainState:
     """Trains from the latest checkpoint in out_dir (or from scratch) until config.steps updates are done or
-    time_budget_s has passed, then checkpoints. metrics.jsonl gets a line every log_every updates, and the
-    loss on the held_out stream (`evaluate_loss`) at every checkpoint. Returns the state; its step says
-    whether the run is complete."""
-    import orbax.checkpoint as ocp
-
+    time_budget_s has passed, then checkpoints; a run in out_dir with another model or settings is refused.
+    metrics.jsonl gets a line every log_every updates, and the loss on the held_out stream (`evaluate_loss`)
+    at every checkpoint. SIGINT and SIGTERM checkpoint and raise `loop.Interrupted`. Returns the state; its
+    step says whether the run is complete."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _check_run(out_dir, cfg, config)
-    state = init_state(cfg, config)
-    manager = checkpoint_manager(out_dir)
-    latest = manager.latest_step()
-    if latest is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    loop.open_run(out_dir, {"model": repr(cfg), **dataclasses.asdict(config)}, resume=True, overwrite=False)
     start = time.perf_counter()
-    clock, since = start, int(state.step)  # tokens/s counts the updates since the last line, timed alone
-    try:
-        for index in range(int(state.step), config.steps):
-            state, metrics = jit_train_step(state, jnp.asarray(windows_at(stream, config, index)), cfg=cfg,
-                                            config=config)
-            done = index + 1
-            if done % log_every == 0 or done == config.steps:
-                m = jax.device_get(metrics)
-                tokens = (done - since) * config.batch_size * config.seq_len
-                _log(out_dir, {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                               "lr": float(m["lr"]), "tokens_per_s": tokens / (time.perf_counter() - clock)})
-                clock, since = time.perf_counter(), done
-            out_of_time = time.perf_counter() - start > time_budget_s
-            if done % checkpoint_every == 0 or done == config.steps or out_of_time:
-                manager.save(done, args=ocp.args.StandardSave(state))
-                if held_out is not None:
-                    _log(out_dir, {"step": done,
-                                   "held_out_loss": evaluate_loss(state.params, cfg, held_out, config.seq_len)})
-                clock, since = time.perf_counter(), done
-            if out_of_time:
-                break
-    finally:
-        manager.wait_until_finished()
-        manager.close()
-    return state
+
+    def update(state, index):
+        windows = jnp.asarray(windows_at(stream, config, index))
+        return (*jit_train_step(state, windows, cfg=cfg, config=config), config.batch_size * config.seq_len)
+
+    def metrics_line(metrics):
+        m = jax.device_get(metrics)
+        return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
+
+    def after_save(state):
+        if held_out is not None:
+            loss = evaluate_loss(state.params, cfg, held_out, config.seq_len)
+            line = {"step": int(state.step), "held_out_loss": loss}
+            loop.append_jsonl(out_dir / "metrics.jsonl", line)
+            _print(line)
+
+    return loop.run(init_state(cfg, config), out_dir, update, total=config.steps, log_every=log_every,
+                    checkpoint_every=checkpoint_every, metrics_line=metrics_line, resume=True, on_log=_print,
+                    after_save=after_save, out_of_time=lambda: time.perf_counter() - start > time_budget_s)
 
 
-def _log(out_dir: Path, line: dict) -> None:
-    with open(out_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
+def _print(line: dict) -> None:
     print(json.dumps(line), flush=True)
-
-
-def _check_run(out_dir: Path, cfg: Qwen3Config, config: PretrainConfig) -> None:
-    """A resumed run must have the same model and settings as the checkpoints it continues."""
-    record = {"model": repr(cfg), "config": repr(config)}
-    path = out_dir / "run.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved != record:
-            raise ValueError(f"{out_dir}: its checkpoints were trained with other settings; use another folder")
-    else:
-        path.write_text(json.dumps(record, indent=1))
