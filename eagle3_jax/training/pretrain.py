@@ -24,10 +24,9 @@ import optax
 
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.training import loop
+from eagle3_jax.training import loop, optim
 
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm")
-INIT_STD = 0.02  # transformers' Qwen3 initializer_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,39 +59,22 @@ class PretrainConfig:
 
 def init_params(cfg: Qwen3Config, seed: int) -> dict:
     """Weights ~ N(0, 0.02) and norms at one, as transformers initialises a Qwen3; float32."""
-    abstract = qwen3.abstract_params(cfg, jnp.float32)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-
-    def init(path, leaf, key):
-        if _leaf_name(path) in _NORMS:
-            return jnp.ones(leaf.shape, jnp.float32)
-        return INIT_STD * jax.random.normal(key, leaf.shape, jnp.float32)
-
-    return jax.tree_util.tree_unflatten(treedef, [init(p, x, k) for (p, x), k in zip(leaves, keys)])
+    return optim.init_params(qwen3.abstract_params(cfg, jnp.float32), seed, _NORMS)
 
 
-def _leaf_name(path) -> str:
-    last = path[-1]
-    return getattr(last, "key", getattr(last, "name", str(last)))
-
-
-def learning_rate(config: PretrainConfig):
+def _schedule(config: PretrainConfig):
     """Linear warmup to the peak, then a cosine down to min_lr_ratio of it at the last update."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-        decay_steps=config.steps, end_value=config.learning_rate * config.min_lr_ratio)
+    return optim.warmup_cosine(config.learning_rate, config.warmup_steps, config.steps,
+                               end_value=config.learning_rate * config.min_lr_ratio)
 
 
-def optimizer(config: PretrainConfig) -> optax.GradientTransformation:
+def _optimizer(config: PretrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW; norms are not decayed."""
     def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) not in _NORMS, params)
+        return jax.tree_util.tree_map_with_path(lambda p, _: optim.leaf_name(p) not in _NORMS, params)
 
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(learning_rate(config), b1=0.9, b2=config.b2, eps=1e-8, weight_decay=config.weight_decay,
-                    mask=decay_mask))
+    return optim.adamw(_schedule(config), config.max_grad_norm, config.weight_decay, b2=config.b2,
+                       decay_mask=decay_mask)
 
 
 def next_token_loss(params: dict, cfg: Qwen3Config, windows: jax.Array, compute_dtype: str = "float32"):
@@ -115,15 +97,16 @@ class PretrainState:
 
 def init_state(cfg: Qwen3Config, config: PretrainConfig) -> PretrainState:
     params = init_params(cfg, config.seed)
-    return PretrainState(jnp.zeros((), jnp.int32), params, optimizer(config).init(params))
+    return PretrainState(jnp.zeros((), jnp.int32), params, _optimizer(config).init(params))
 
 
 def train_step(state: PretrainState, windows, *, cfg: Qwen3Config, config: PretrainConfig):
-    """One update; returns the new state and the batch's loss (before the update) and gradient norm."""
-    loss, grads = jax.value_and_grad(next_token_loss)(state.params, cfg, windows, config.compute_dtype)
-    updates, opt_state = optimizer(config).update(grads, state.opt_state, state.params)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(config)(state.step)}
-    return PretrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), metrics
+    """One update; returns the new state and the batch's loss (before the update), gradient norm and
+    learning rate."""
+    def loss_fn(params, windows):
+        return next_token_loss(params, cfg, windows, config.compute_dtype), {}
+
+    return optim.update(state, loss_fn, _optimizer(config), _schedule(config), windows)
 
 
 jit_train_step = jax.jit(train_step, static_argnames=("cfg", "config"), donate_argnames=("state",))
