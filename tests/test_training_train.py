@@ -255,6 +255,23 @@ def test_cli_train_stopped_by_sigint_or_sigterm_saves_and_says_how_to_resume(wor
     assert checkpoint_steps(out) == [2, 3]
 
 
+def test_cli_train_interrupted_outside_the_loop_says_so_without_a_traceback(world, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the first update (here while the target loads) ends the command with 130 and one line."""
+    from eagle3_jax import cli
+
+    folder, _ = world
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3_jax, "load_target", interrupted)
+    out = tmp_path / "drafter"
+    assert cli.main(["train", "--target", str(folder / "target"), "--data", str(folder / "train.jsonl"),
+                     "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"interrupted: nothing new saved; any checkpoints in {out} are kept "
+                                       "(--resume continues)\n")
+
+
 def test_out_holding_a_run_is_refused_unless_resumed_or_overwritten(world, straight, tmp_path):
     """Another run into a run's folder is refused, and so is --resume with other settings, each difference
     named, before any device work and touching nothing; --overwrite removes the old run's files (its checkpoint
@@ -277,6 +294,10 @@ def test_out_holding_a_run_is_refused_unless_resumed_or_overwritten(world, strai
     with pytest.raises(ValueError, match="resume and overwrite exclude each other"):
         small_config(resume=True, overwrite=True)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    shutil.copytree(out, tmp_path / "unrecorded")
+    (tmp_path / "unrecorded" / "run.json").unlink()
+    with pytest.raises(ValueError, match="its run has no run.json, so its settings cannot be checked"):
+        trainer.train_drafter(target, data, tmp_path / "unrecorded", small_config(**RESUMABLE, resume=True))
     trainer.train_drafter(target, data, out, small_config(**{**RESUMABLE, "checkpoint_every": 6}, overwrite=True))
     assert checkpoint_steps(out) == [6] and logged_steps(out) == [1, 2, 3, 4, 5, 6]
     assert (out / "notes.txt").read_text() == "mine"

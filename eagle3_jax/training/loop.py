@@ -15,6 +15,7 @@ the write, closes the checkpoint manager and raises `Interrupted`, whose message
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -34,10 +36,10 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class Interrupted(Exception):
     """Training stopped by a signal after its checkpoint at `step` was written."""
 
-    def __init__(self, signal_name: str, step: int, total: int, out_dir: Path):
+    def __init__(self, signal_name: str, step: int, total: int, out_dir: Path, resume_hint: str):
         self.signal_name, self.step, self.total, self.out_dir = signal_name, step, total, out_dir
         super().__init__(f"stopped by {signal_name} at step {step} of {total}; the checkpoint of step {step} is "
-                         f"in {out_dir / 'checkpoints'}: run the same command with --resume to continue")
+                         f"in {out_dir / 'checkpoints'}: {resume_hint}")
 
     @property
     def exit_code(self) -> int:
@@ -158,17 +160,28 @@ def stop_signals():
             signal.signal(s, handler)
 
 
-def run(state, out_dir: Path, update: Callable, *, total: int, log_every: int, checkpoint_every: int,
-        metrics_line: Callable[[dict], dict], resume: bool,
-        on_log: Callable[[dict], None] = lambda line: None, after_save: Callable | None = None,
-        after_step: Callable | None = None, out_of_time: Callable[[], bool] = lambda: False):
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """What `run` does around the updates, and when."""
+
+    total: int  # the step the run ends at
+    log_every: int
+    checkpoint_every: int
+    metrics_line: Callable[[Any], dict]  # an update's metrics -> the values of its metrics.jsonl line
+    on_log: Callable[[dict], None] = lambda line: None  # sees each metrics.jsonl line once written
+    after_save: Callable[[Any], None] | None = None  # (state) after each checkpoint but a stop signal's
+    after_step: Callable[[int, Any], None] | None = None  # (updates done, state) after every other update
+    out_of_time: Callable[[], bool] = lambda: False  # checked after each update: checkpoint and return
+    resume_hint: str = "run the same command with --resume to continue"  # how `Interrupted` says to resume
+
+
+def run(state, out_dir: Path, update: Callable, spec: LoopSpec, resume: bool):
     """Runs `update(state, index) -> (state, metrics, tokens it trained on)` for index = the state's step (the
-    latest checkpoint's, with resume) up to `total`. Every log_every updates and at the last, metrics.jsonl
+    latest checkpoint's, with resume) up to spec.total. Every log_every updates and at the last, metrics.jsonl
     gets {"step", **metrics_line(metrics), "tokens_per_s"} (the tokens of the updates since the previous line
-    or checkpoint over their time) and on_log sees it. Every checkpoint_every updates,
-    at the last, when out_of_time() and after a stop signal, the state is checkpointed; then after_save(state)
-    runs, except after a signal, which raises `Interrupted`. after_step(done, state) runs after every other
-    update. Returns the last state."""
+    or checkpoint over their time). The state is checkpointed every checkpoint_every updates, at the last,
+    when out_of_time() (then the run returns) and after a stop signal (then it raises `Interrupted`).
+    Returns the last state."""
     manager = checkpoint_manager(out_dir)
     try:
         if resume:
@@ -176,33 +189,51 @@ def run(state, out_dir: Path, update: Callable, *, total: int, log_every: int, c
         for name in _LOGS:
             drop_lines_after(out_dir / name, int(state.step))
         with stop_signals() as stop:
-            tokens, clock = 0, time.perf_counter()
-            for index in range(int(state.step), total):
-                state, metrics, count = update(state, index)
-                tokens, done = tokens + count, index + 1
-                if done % log_every == 0 or done == total:
-                    seconds = time.perf_counter() - clock
-                    line = {"step": done, **metrics_line(metrics),
-                            "tokens_per_s": tokens / seconds if seconds > 0 else math.nan}
-                    append_jsonl(out_dir / "metrics.jsonl", line)
-                    on_log(line)
-                    tokens, clock = 0, time.perf_counter()
-                late = out_of_time()
-                if done % checkpoint_every == 0 or done == total or late or stop.signal_name:
-                    _save(manager, done, state)
-                    if stop.signal_name:
-                        raise Interrupted(stop.signal_name, done, total, out_dir)
-                    if after_save is not None:
-                        after_save(state)
-                    tokens, clock = 0, time.perf_counter()
-                if late:
-                    break
-                if after_step is not None:
-                    after_step(done, state)
+            return _updates(state, out_dir, update, spec, manager, stop)
     finally:  # a stopped or failed run still completes the checkpoint it was writing
         manager.wait_until_finished()
         manager.close()
+
+
+def _updates(state, out_dir: Path, update: Callable, spec: LoopSpec, manager, stop: _Stop):
+    meter = _Throughput()
+    for index in range(int(state.step), spec.total):
+        state, metrics, tokens = update(state, index)
+        meter.tokens += tokens
+        done = index + 1
+        if done % spec.log_every == 0 or done == spec.total:
+            line = {"step": done, **spec.metrics_line(metrics), "tokens_per_s": meter.rate()}
+            append_jsonl(out_dir / "metrics.jsonl", line)
+            spec.on_log(line)
+        late = spec.out_of_time()
+        if done % spec.checkpoint_every == 0 or done == spec.total or late or stop.signal_name:
+            _save(manager, done, state)
+            if stop.signal_name:
+                raise Interrupted(stop.signal_name, done, spec.total, out_dir, spec.resume_hint)
+            if spec.after_save is not None:
+                spec.after_save(state)
+            meter.restart()
+        if late:
+            break
+        if spec.after_step is not None:
+            spec.after_step(done, state)
     return state
+
+
+class _Throughput:
+    """Tokens per second of the updates since the last line or checkpoint (whose own time is left out)."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.tokens, self.clock = 0, time.perf_counter()
+
+    def rate(self) -> float:
+        seconds = time.perf_counter() - self.clock
+        rate = self.tokens / seconds if seconds > 0 else math.nan
+        self.restart()
+        return rate
 
 
 def _save(manager, step: int, state) -> None:

@@ -162,9 +162,11 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
             loop.append_jsonl(out_dir / "metrics.jsonl", line)
             _print(line)
 
-    return loop.run(init_state(cfg, config), out_dir, update, total=config.steps, log_every=log_every,
-                    checkpoint_every=checkpoint_every, metrics_line=metrics_line, resume=True, on_log=_print,
-                    after_save=after_save, out_of_time=lambda: time.perf_counter() - start > time_budget_s)
+    spec = loop.LoopSpec(total=config.steps, log_every=log_every, checkpoint_every=checkpoint_every,
+                         metrics_line=metrics_line, on_log=_print, after_save=after_save,
+                         out_of_time=lambda: time.perf_counter() - start > time_budget_s,
+                         resume_hint="pre-train into the same folder again to continue")
+    return loop.run(init_state(cfg, config), out_dir, update, spec, resume=True)
 
 
 def _print(line: dict) -> None:

@@ -203,9 +203,10 @@ def _train(target: Target, run: _Run, config: TrainConfig, state: step.TrainStat
         if bar is not None:
             bar.update(done - bar.n)
 
-    state = loop.run(state, out_dir, update, total=total, log_every=config.log_every,
-                     checkpoint_every=config.checkpoint_every, metrics_line=_metrics_line,
-                     resume=resume, on_log=lambda line: _show(bar, line), after_step=after_step)
+    loop_spec = loop.LoopSpec(total=total, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
+                              metrics_line=_metrics_line, on_log=lambda line: _show(bar, line),
+                              after_step=after_step)
+    state = loop.run(state, out_dir, update, loop_spec, resume)
     return state, last_eval
 
 
