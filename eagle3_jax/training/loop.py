@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 RUN_FILES = ("run.json", "metrics.jsonl", "eval.jsonl", "checkpoints")
 _LOGS = ("metrics.jsonl", "eval.jsonl")
@@ -167,7 +168,6 @@ class LoopSpec:
     total: int  # the step the run ends at
     log_every: int
     checkpoint_every: int
-    metrics_line: Callable[[Any], dict]  # an update's metrics -> the values of its metrics.jsonl line
     on_log: Callable[[dict], None] = lambda line: None  # sees each metrics.jsonl line once written
     after_save: Callable[[Any], None] | None = None  # (state) after each checkpoint but a stop signal's
     after_step: Callable[[int, Any], None] | None = None  # (updates done, state) after every other update
@@ -178,8 +178,8 @@ class LoopSpec:
 def run(state, out_dir: Path, update: Callable, spec: LoopSpec, resume: bool):
     """Runs `update(state, index) -> (state, metrics, tokens it trained on)` for index = the state's step (the
     latest checkpoint's, with resume) up to spec.total. Every log_every updates and at the last, metrics.jsonl
-    gets {"step", **metrics_line(metrics), "tokens_per_s"} (the tokens of the updates since the previous line
-    or checkpoint over their time). The state is checkpointed every checkpoint_every updates, at the last,
+    gets {"step", **metrics (floats, lists of floats), "tokens_per_s"} (the tokens of the updates since the
+    previous line or checkpoint over their time). The state is checkpointed every checkpoint_every updates, at the last,
     when out_of_time() (then the run returns) and after a stop signal (then it raises `Interrupted`).
     Returns the last state."""
     manager = checkpoint_manager(out_dir)
@@ -202,7 +202,7 @@ def _updates(state, out_dir: Path, update: Callable, spec: LoopSpec, manager, st
         meter.tokens += tokens
         done = index + 1
         if done % spec.log_every == 0 or done == spec.total:
-            line = {"step": done, **spec.metrics_line(metrics), "tokens_per_s": meter.rate()}
+            line = {"step": done, **_json_values(metrics), "tokens_per_s": meter.rate()}
             append_jsonl(out_dir / "metrics.jsonl", line)
             spec.on_log(line)
         late = spec.out_of_time()
@@ -218,6 +218,12 @@ def _updates(state, out_dir: Path, update: Callable, spec: LoopSpec, manager, st
         if spec.after_step is not None:
             spec.after_step(done, state)
     return state
+
+
+def _json_values(metrics: dict) -> dict:
+    """An update's metrics (device scalars and vectors) as floats and lists of floats, in their order."""
+    host = jax.device_get(metrics)
+    return {k: float(v) if np.ndim(v) == 0 else [float(x) for x in np.ravel(v)] for k, v in host.items()}
 
 
 class _Throughput:

@@ -151,10 +151,6 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
         windows = jnp.asarray(windows_at(stream, config, index))
         return (*jit_train_step(state, windows, cfg=cfg, config=config), config.batch_size * config.seq_len)
 
-    def metrics_line(metrics):
-        m = jax.device_get(metrics)
-        return {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
-
     def after_save(state):
         if held_out is not None:
             loss = evaluate_loss(state.params, cfg, held_out, config.seq_len)
@@ -163,7 +159,7 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
             _print(line)
 
     spec = loop.LoopSpec(total=config.steps, log_every=log_every, checkpoint_every=checkpoint_every,
-                         metrics_line=metrics_line, on_log=_print, after_save=after_save,
+                         on_log=_print, after_save=after_save,
                          out_of_time=lambda: time.perf_counter() - start > time_budget_s,
                          resume_hint="pre-train into the same folder again to continue")
     return loop.run(init_state(cfg, config), out_dir, update, spec, resume=True)

@@ -172,12 +172,6 @@ def _evaluate(target: Target, run: _Run, config: TrainConfig, state: step.TrainS
     return result
 
 
-def _metrics_line(metrics) -> dict:
-    m = jax.device_get(metrics)
-    return {"loss": float(m["loss"]), "ploss": [float(x) for x in m["ploss"]], "acc": [float(x) for x in m["acc"]],
-            "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
-
-
 def _show(bar, line: dict) -> None:
     if bar is not None:
         bar.set_postfix(loss=f"{line['loss']:.3f}", **{f"acc_{i}": f"{a:.2f}" for i, a in enumerate(line["acc"])},
@@ -204,8 +198,7 @@ def _train(target: Target, run: _Run, config: TrainConfig, state: step.TrainStat
             bar.update(done - bar.n)
 
     loop_spec = loop.LoopSpec(total=total, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
-                              metrics_line=_metrics_line, on_log=lambda line: _show(bar, line),
-                              after_step=after_step)
+                              on_log=lambda line: _show(bar, line), after_step=after_step)
     state = loop.run(state, out_dir, update, loop_spec, resume)
     return state, last_eval
 
