@@ -78,13 +78,12 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     unchanged: the caller commits).
     """
     T = tokens.shape[1]
-    eps = cfg.rms_norm_eps
 
     def cached_attention(qkv, cos, sin):
         q, k_buf, v_buf = rotate_and_cache(
             qkv, cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=cfg.num_heads,
             q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
-            eps=eps, kernels=kernels,
+            eps=cfg.rms_norm_eps, kernels=kernels,
         )
         return attend(q, k_buf, v_buf, cache.lengths, kernels), kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
