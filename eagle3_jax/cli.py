@@ -136,18 +136,29 @@ def _convert(args) -> int:
 
 def _train(args) -> int:
     import eagle3_jax
+    from eagle3_jax.training import loop, trainer
     from eagle3_jax.training.data import data_files
-    from eagle3_jax.training.trainer import TrainConfig
 
-    config = TrainConfig(
+    config = trainer.TrainConfig(
         draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, max_seq_len=args.max_seq_len,
         batch_size=args.batch_size, learning_rate=args.learning_rate, steps=args.steps, epochs=args.epochs,
-        seed=args.seed, resume=args.resume, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-        eval_data=tuple(args.eval_data or ()), compute_dtype=args.compute_dtype, kernels=args.kernels,
+        seed=args.seed, resume=args.resume, overwrite=args.overwrite, checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every, eval_data=tuple(args.eval_data or ()), compute_dtype=args.compute_dtype,
+        kernels=args.kernels,
     )
-    data_files(args.data + (args.eval_data or []))  # a mistyped path fails before the target loads
-    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
-    result = eagle3_jax.train_drafter(target, args.data, args.out, config)
+    # A mistyped path, or an --out that holds a run, fails before the target loads.
+    data_files(args.data + (args.eval_data or []))
+    loop.check_reuse(Path(args.out), args.resume, args.overwrite, trainer.RUN_FILES)
+    try:
+        target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+        result = eagle3_jax.train_drafter(target, args.data, args.out, config)
+    except loop.Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # outside the training loop: before its first update or in the final export
+        print(f"interrupted: nothing new saved; any checkpoints in {args.out} are kept (--resume continues)",
+              file=sys.stderr)
+        return 130
     print(f"wrote {args.out}" + "".join(f" {k}={v:.3f}" for k, v in result.items() if isinstance(v, float)))
     return 0
 
@@ -161,8 +172,9 @@ def _regenerate(args) -> int:
     stats = regenerate(target, args.data, args.out, tokenizer=load_tokenizer(args.target),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_len=args.max_len,
                        drafter=drafter, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}; "
-          f"{stats.copied} copied unchanged: nothing to rewrite or too long)")
+    print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}): "
+          f"{stats.regenerated} regenerated, {stats.copied} copied (nothing to rewrite), "
+          f"{stats.too_long} kept unchanged from the first turn longer than --max-len")
     return 0
 
 
@@ -230,7 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--epochs", type=int, default=1)
     train.add_argument("--checkpoint-every", type=int, default=1000)
     train.add_argument("--eval-every", type=int, default=0, help="also evaluate tau every N updates")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    reuse = train.add_mutually_exclusive_group()
+    reuse.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its latest checkpoint (its settings are checked)")
+    reuse.add_argument("--overwrite", action="store_true", help="replace the run in --out (its files removed first)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                        help="the target's dtype")
