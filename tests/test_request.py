@@ -7,8 +7,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from benchmarks import measure
+
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
