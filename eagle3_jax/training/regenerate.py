@@ -22,7 +22,7 @@ from pathlib import Path
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids
 from eagle3_jax.decoding.engine import Engine
-from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length
+from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length, render_chat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _prompts(record, raw: dict, turn: int, tokenizer) -> list[int] | None:
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turn >= len(at):
         return None
-    text = tokenizer.apply_chat_template(messages[:at[turn]], add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, messages[:at[turn]], record.source, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -106,9 +106,12 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
     records = [(parse_record(raw, where), raw) for where, raw in jsonl_objects(data_in)]
     if not records:
         raise DataError(f"{data_in}: no records")
-    if tokenizer is None and any(r.messages is not None for r, _ in records):
-        raise DataError(f"{next(r.source for r, _ in records if r.messages)}: conversations need the target's "
-                        "tokenizer (tokenizer.json in the target folder)")
+    conversation = next((r for r, _ in records if r.messages is not None), None)
+    if conversation is not None and tokenizer is None:
+        raise DataError(f"{conversation.source}: conversations need the target's tokenizer (tokenizer.json in "
+                        "the target folder)")
+    if conversation is not None:  # a missing or broken chat template, before any generation
+        render_chat(tokenizer, list(conversation.messages), conversation.source)
     done = _done_lines(out)
     engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
                     max_len=min(max_len, target.config.max_position_embeddings))
