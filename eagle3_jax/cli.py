@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
@@ -42,10 +43,6 @@ def _default_cache_dir() -> str | None:
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "xla")
 
 
-# What transformers' generate uses for a sampling setting its GenerationConfig leaves unset.
-_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
 def _sampling(args) -> dict:
     """The sampling settings, as transformers' generate settles them: the target folder's
     generation_config.json (its do_sample, temperature, top_k and top_p, transformers' defaults for any it
@@ -53,14 +50,10 @@ def _sampling(args) -> dict:
     without --seed draws one, so the printed settings repeat it."""
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {k: v for k, v in flags.items() if v is not None}
-    settings, source = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "defaults"
-    if (Path(args.target) / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        config = GenerationConfig.from_pretrained(args.target)
-        if config.do_sample:
-            settings = {k: _HF_DEFAULTS[k] if getattr(config, k) is None else getattr(config, k) for k in flags}
-        source = "generation_config.json"
+    settings, source = dict(GREEDY), "defaults"
+    from_file = generation_sampling(args.target)
+    if from_file is not None:
+        settings, source = from_file, "generation_config.json"
     if given:
         source = "flags" if source == "defaults" else f"flags over {source}"
     settings = {**settings, **given}
@@ -143,18 +136,29 @@ def _convert(args) -> int:
 
 def _train(args) -> int:
     import eagle3_jax
+    from eagle3_jax.training import loop, trainer
     from eagle3_jax.training.data import data_files
-    from eagle3_jax.training.trainer import TrainConfig
 
-    config = TrainConfig(
+    config = trainer.TrainConfig(
         draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps, max_seq_len=args.max_seq_len,
         batch_size=args.batch_size, learning_rate=args.learning_rate, steps=args.steps, epochs=args.epochs,
-        seed=args.seed, resume=args.resume, checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-        eval_data=tuple(args.eval_data or ()), compute_dtype=args.compute_dtype, kernels=args.kernels,
+        seed=args.seed, resume=args.resume, overwrite=args.overwrite, checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every, eval_data=tuple(args.eval_data or ()), compute_dtype=args.compute_dtype,
+        kernels=args.kernels,
     )
-    data_files(args.data + (args.eval_data or []))  # a mistyped path fails before the target loads
-    target = eagle3_jax.load_target(args.target, dtype=args.dtype)
-    result = eagle3_jax.train_drafter(target, args.data, args.out, config)
+    # A mistyped path, or an --out that holds a run, fails before the target loads.
+    data_files(args.data + (args.eval_data or []))
+    loop.check_reuse(Path(args.out), args.resume, args.overwrite, trainer.RUN_FILES)
+    try:
+        target = eagle3_jax.load_target(args.target, dtype=args.dtype)
+        result = eagle3_jax.train_drafter(target, args.data, args.out, config)
+    except loop.Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # outside the training loop: before its first update or in the final export
+        print(f"interrupted: nothing new saved; any checkpoints in {args.out} are kept (--resume continues)",
+              file=sys.stderr)
+        return 130
     print(f"wrote {args.out}" + "".join(f" {k}={v:.3f}" for k, v in result.items() if isinstance(v, float)))
     return 0
 
@@ -168,8 +172,9 @@ def _regenerate(args) -> int:
     stats = regenerate(target, args.data, args.out, tokenizer=load_tokenizer(args.target),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_len=args.max_len,
                        drafter=drafter, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}; "
-          f"{stats.copied} copied unchanged: nothing to rewrite or too long)")
+    print(f"wrote {stats.written} records to {args.out} (resumed after {stats.resumed_after}): "
+          f"{stats.regenerated} regenerated, {stats.copied} copied (nothing to rewrite), "
+          f"{stats.too_long} kept unchanged from the first turn longer than --max-len")
     return 0
 
 
@@ -237,7 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--epochs", type=int, default=1)
     train.add_argument("--checkpoint-every", type=int, default=1000)
     train.add_argument("--eval-every", type=int, default=0, help="also evaluate tau every N updates")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    reuse = train.add_mutually_exclusive_group()
+    reuse.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its latest checkpoint (its settings are checked)")
+    reuse.add_argument("--overwrite", action="store_true", help="replace the run in --out (its files removed first)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                        help="the target's dtype")

@@ -177,3 +177,12 @@ def test_chat_renders_the_template_with_enable_thinking(folders, tmp_path, capsy
     pi = worlds.PI
     assert out[0].split() == [f"w{pi[3]}", f"w{pi[pi[3]]}", f"w{pi[pi[pi[3]]]}"]
     assert "sampling: greedy (from generation_config.json)" in out
+
+
+def test_malformed_generation_config_is_named_before_any_work(folders, tmp_path, capsys):
+    folder = _copy_target(folders, tmp_path)
+    (folder / "generation_config.json").write_text('{"do_sample": tru')
+    assert main(["generate", "--target", str(folder), "--prompt-ids", "3,17", "--max-new-tokens", "2",
+                 "--dtype", "float32", "--max-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_config.json" in err and "Traceback" not in err

@@ -3,6 +3,7 @@ is its spec-off output, the pair is what its record says; and the pieces that bu
 pre-training loss (against transformers' own), exact resume, the Hugging Face export, the drafter's data."""
 
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from eagle3_jax.checkpoints.tokenizer import load_tokenizer
 from eagle3_jax.demo import PAIR, build, corpus
 from eagle3_jax.demo.__main__ import main as demo_main
 from eagle3_jax.models import qwen3
-from eagle3_jax.training import pretrain
+from eagle3_jax.training import loop, pretrain
 from eagle3_jax_bench import pair as pair_bench
 
 TINY = build.BuildConfig.tiny()
@@ -195,6 +196,51 @@ def test_pretraining_resumes_exactly(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         other = pretrain.PretrainConfig(seq_len=16, batch_size=2, steps=5, warmup_steps=1)
         pretrain.pretrain(CFG, stream, tmp_path / "b", other)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_pretraining_stops_on_a_signal_resumes_exactly_and_logs_each_step_once(tmp_path, monkeypatch):
+    """Pre-training runs the drafter trainer's loop (eagle3_jax/training/loop.py): SIGINT after update 1
+    (checkpointed there, `Interrupted`); a resume that checkpoints at 2, logs 3 and crashes in update 4; a resume
+    from 2 after a cut-off metrics line: the uninterrupted run's parameters, metrics.jsonl holds steps 1 to 4
+    once each, and other settings are refused by name. (The settings of `test_pretraining_resumes_exactly`:
+    one compiled step.)"""
+    stream = np.tile(np.arange(40, dtype=np.uint16), 100)
+    config = pretrain.PretrainConfig(seq_len=16, batch_size=2, steps=4, warmup_steps=1, learning_rate=1e-2)
+    straight = pretrain.pretrain(CFG, stream, tmp_path / "straight", config)
+    real, calls = pretrain.jit_train_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise _Crash
+        out = real(*args, **kwargs)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    def logged_steps():
+        return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    monkeypatch.setattr(pretrain, "jit_train_step", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(loop.Interrupted, match="stopped by SIGINT at step 1 of 4") as e:
+        pretrain.pretrain(CFG, stream, out, config, log_every=1, checkpoint_every=2)
+    assert e.value.exit_code == 130 and (out / "checkpoints" / "1").is_dir()
+    with pytest.raises(_Crash):
+        pretrain.pretrain(CFG, stream, out, config, log_every=1, checkpoint_every=2)
+    assert logged_steps() == [1, 2, 3]
+    monkeypatch.setattr(pretrain, "jit_train_step", real)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a process killed while writing its line
+    resumed = pretrain.pretrain(CFG, stream, out, config, log_every=1, checkpoint_every=2)
+    assert int(resumed.step) == 4 and logged_steps() == [1, 2, 3, 4]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), straight.params, resumed.params))
+    with pytest.raises(ValueError, match=r"other settings \(steps differs\): steps: 4 in the run, 5 now"):
+        pretrain.pretrain(CFG, stream, out, pretrain.PretrainConfig(**{**config.__dict__, "steps": 5}))
 
 
 def test_drafter_data_is_one_length(tmp_path):

@@ -108,6 +108,19 @@ def test_chat_template_loss_mask_covers_assistant_turns_and_their_end_token(tmp_
     assert marked == "hello there<|im_end|>ok<|im_end|>"
 
 
+def test_conversations_without_a_chat_template_name_the_file_and_line(tmp_path):
+    tok = char_tokenizer(tmp_path)
+    tok.chat_template = None
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "o"}]
+    lines = [{"text": "hi"}, {"conversations": chat}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(DataError, match=r"c\.jsonl:2: a conversation needs a chat template"):
+        load_samples([tmp_path / "c.jsonl"], tok, 64)
+    tok.chat_template = "{{ messages[0]['nope'].x() }}"
+    with pytest.raises(DataError, match=r"c\.jsonl:2: the chat template failed on this conversation"):
+        load_samples([tmp_path / "c.jsonl"], tok, 64)
+
+
 def test_long_documents_are_split_and_rows_bucketed():
     long = Sample(np.arange(50, dtype=np.int32), np.ones(50, np.int8), "f:1")
     silent = Sample(np.arange(20, dtype=np.int32), np.r_[np.zeros(19), 1].astype(np.int8), "f:2")

@@ -4,6 +4,8 @@ parallel on 4 virtual devices."""
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,7 @@ from test_training_golden import eager
 
 import eagle3_jax
 from eagle3_jax.models import eagle3 as drafter_lib
-from eagle3_jax.training import evaluate, regenerate, step, trainer
+from eagle3_jax.training import evaluate, loop, regenerate, step, trainer
 from eagle3_jax.training.data import load_samples
 
 from hf_models import build_model
@@ -120,10 +122,33 @@ class _Crash(Exception):
     pass
 
 
-def test_resume_after_an_interruption_gives_identical_params(world, tmp_path, monkeypatch):
+RESUMABLE = dict(steps=6, checkpoint_every=3, batch_size=8, log_every=1)  # one compiled step for every resume test
+
+
+@pytest.fixture(scope="module")
+def straight(world):
+    """An uninterrupted run of the RESUMABLE settings."""
     folder, target = world
-    config = small_config(steps=6, checkpoint_every=3, batch_size=8)
-    trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "straight", config)
+    trainer.train_drafter(target, folder / "train.jsonl", folder / "straight", small_config(**RESUMABLE))
+    return folder / "straight"
+
+
+def assert_same_drafter(a: Path, b: Path):
+    a, b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+
+
+def test_resume_after_an_interruption_gives_identical_params(world, straight, tmp_path, monkeypatch):
+    """A crash after step 4 (checkpoint at 3, step 4 logged), then --resume: the params of an uninterrupted
+    run, and metrics.jsonl holds each step once."""
+    folder, target = world
+    config = small_config(**RESUMABLE)
     real, calls = step.jit_train_step, []
 
     def crashing(*args, **kwargs):
@@ -139,13 +164,144 @@ def test_resume_after_an_interruption_gives_identical_params(world, tmp_path, mo
     with pytest.raises(ValueError, match=r"other settings \(batch_size, num_batches differ\)"):
         trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "resumed",
                               trainer.TrainConfig(**{**config.__dict__, "resume": True, "batch_size": 4}))
+    assert logged_steps(tmp_path / "resumed") == [1, 2, 3, 4]
     trainer.train_drafter(target, folder / "train.jsonl", tmp_path / "resumed",
                           trainer.TrainConfig(**{**config.__dict__, "resume": True}))
-    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
-    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert_same_drafter(straight, tmp_path / "resumed")
+    assert logged_steps(tmp_path / "resumed") == [1, 2, 3, 4, 5, 6]
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def signal_after(monkeypatch, plan: dict):
+    """The training step sends the process plan[n] (a signal) once its n-th call, over every run, returns."""
+    real, calls = step.jit_train_step, []
+
+    def signalling(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) in plan:
+            signal.raise_signal(plan[len(calls)])
+        return out
+
+    monkeypatch.setattr(step, "jit_train_step", signalling)
+
+
+def test_a_signal_at_any_step_checkpoints_that_step_and_resume_continues(world, straight, tmp_path, monkeypatch):
+    """SIGINT after the first update, SIGTERM after an update that checkpoints anyway (3), SIGINT after the last:
+    each stops its run with `Interrupted` at that step, checkpointed, and puts the handlers back; the resumed
+    runs end with the uninterrupted run's drafter, and metrics.jsonl holds each step once."""
+    folder, target = world
+    config = small_config(**RESUMABLE)
+    resume = trainer.TrainConfig(**{**config.__dict__, "resume": True})
+    out, handler = tmp_path / "out", signal.getsignal(signal.SIGINT)
+    signal_after(monkeypatch, {1: signal.SIGINT, 3: signal.SIGTERM, 6: signal.SIGINT})
+    for run_config, (name, at, code) in zip((config, resume, resume),
+                                            (("SIGINT", 1, 130), ("SIGTERM", 3, 143), ("SIGINT", 6, 130))):
+        with pytest.raises(loop.Interrupted, match=f"stopped by {name} at step {at} of 6; the checkpoint of step "
+                                                   f"{at} is in .*: run the same command with --resume") as e:
+            trainer.train_drafter(target, folder / "train.jsonl", out, run_config)
+        assert e.value.exit_code == code and checkpoint_steps(out)[-1] == at
+        assert logged_steps(out) == list(range(1, at + 1))
+        assert signal.getsignal(signal.SIGINT) is handler and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert not (out / "model.safetensors").exists()
+    trainer.train_drafter(target, folder / "train.jsonl", out, resume)  # nothing left but the export
+    assert_same_drafter(straight, out)
+    assert logged_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+SIGNALLED_CLI = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, "tests")
+    import conftest  # noqa: F401
+    from eagle3_jax import cli
+    from eagle3_jax.training import step
+    real, calls, plan = step.jit_train_step, [], {2: signal.SIGINT, 3: signal.SIGTERM}
+
+    def signalling(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) in plan:
+            os.kill(os.getpid(), plan[len(calls)])
+        return out
+
+    step.jit_train_step = signalling
+    codes = [cli.main(sys.argv[1:]), cli.main(sys.argv[1:] + ["--resume"])]
+    print(json.dumps(codes))
+    sys.exit(codes[-1])
+""")
+
+
+def test_cli_train_stopped_by_sigint_or_sigterm_saves_and_says_how_to_resume(world, tmp_path):
+    """`eagle3-jax train` sent SIGINT after update 2, then resumed and sent SIGTERM after update 3 (one process):
+    exit codes 130 and 143, one line each saying how to resume, no traceback, the two steps checkpointed, and
+    the process ends cleanly with orbax's threads stopped."""
+    folder, _ = world
+    out = tmp_path / "drafter"
+    argv = ["train", "--target", str(folder / "target"), "--data", str(folder / "train.jsonl"), "--out", str(out),
+            "--steps", "4", "--batch-size", "2", "--max-seq-len", "64", "--ttt-steps", "2", "--dtype", "float32",
+            "--compute-dtype", "float32"]
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_CLI, *argv], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [130, 143]
+    errors = proc.stderr.splitlines()
+    for name, at in (("SIGINT", 2), ("SIGTERM", 3)):
+        assert (f"interrupted: stopped by {name} at step {at} of 4; the checkpoint of step {at} is in "
+                f"{out / 'checkpoints'}: run the same command with --resume to continue") in errors
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert checkpoint_steps(out) == [2, 3]
+
+
+def test_cli_train_interrupted_outside_the_loop_says_so_without_a_traceback(world, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the first update (here while the target loads) ends the command with 130 and one line."""
+    from eagle3_jax import cli
+
+    folder, _ = world
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3_jax, "load_target", interrupted)
+    out = tmp_path / "drafter"
+    assert cli.main(["train", "--target", str(folder / "target"), "--data", str(folder / "train.jsonl"),
+                     "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"interrupted: nothing new saved; any checkpoints in {out} are kept "
+                                       "(--resume continues)\n")
+
+
+def test_out_holding_a_run_is_refused_unless_resumed_or_overwritten(world, straight, tmp_path):
+    """Another run into a run's folder is refused, and so is --resume with other settings, each difference
+    named, before any device work and touching nothing; --overwrite removes the old run's files (its checkpoint
+    at step 3, its metrics) and keeps the folder's other files."""
+    folder, target = world
+    out, data = tmp_path / "out", folder / "train.jsonl"
+    shutil.copytree(straight, out)
+    (out / "notes.txt").write_text("mine")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ValueError, match=r"already holds a run \(run.json, metrics.jsonl, checkpoints, config.json, "
+                                         r"model.safetensors\): continue it with --resume \(the same settings\) "
+                                         r"or replace it with --overwrite"):
+        trainer.train_drafter(target, data, out, small_config(**RESUMABLE, draft_vocab_size=64))
+    with pytest.raises(ValueError, match=r"other settings \(draft_vocab_size, draft_vocabulary differ\): "
+                                         r"draft_vocab_size: 96 in the run, 64 now"):
+        trainer.train_drafter(target, data, out, small_config(**RESUMABLE, draft_vocab_size=64, resume=True))
+    with pytest.raises(ValueError, match=r"other settings \(learning_rate differs\): learning_rate: 0.003 in "
+                                         r"the run, 0.001 now"):
+        trainer.train_drafter(target, data, out, small_config(**RESUMABLE, learning_rate=1e-3, resume=True))
+    with pytest.raises(ValueError, match="resume and overwrite exclude each other"):
+        small_config(resume=True, overwrite=True)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    shutil.copytree(out, tmp_path / "unrecorded")
+    (tmp_path / "unrecorded" / "run.json").unlink()
+    with pytest.raises(ValueError, match="its run has no run.json, so its settings cannot be checked"):
+        trainer.train_drafter(target, data, tmp_path / "unrecorded", small_config(**RESUMABLE, resume=True))
+    trainer.train_drafter(target, data, out, small_config(**{**RESUMABLE, "checkpoint_every": 6}, overwrite=True))
+    assert checkpoint_steps(out) == [6] and logged_steps(out) == [1, 2, 3, 4, 5, 6]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert_same_drafter(straight, out)
 
 
 DATA_PARALLEL = textwrap.dedent("""
@@ -201,6 +357,9 @@ def test_cli_regenerate_resumes_and_train_writes_a_loadable_drafter(world, tmp_p
              "--ttt-steps", "2", "--dtype", "float32", "--compute-dtype", "float32"]
     assert cli.main(train) == 0
     eagle3_jax.load_drafter(tmp_path / "drafter", target, dtype="float32")
+    assert cli.main(train) == 2  # the folder holds a run
+    assert f"error: {tmp_path / 'drafter'} already holds a run" in capsys.readouterr().err
+    assert cli.main(train + ["--overwrite"]) == 0
     assert cli.main(train[:4] + [str(tmp_path / "missing.jsonl")] + train[5:]) == 2
     assert "missing.jsonl: no such file or folder" in capsys.readouterr().err
 
@@ -224,3 +383,39 @@ def test_regenerate_rewrites_conversation_turns_with_the_chat_template(world, tm
         (res,) = engine.generate([tok(text, add_special_tokens=False)["input_ids"]], 6, [tok.eos_token_id])
         messages[at] = {"role": "assistant", "content": tok.decode(res.token_ids, skip_special_tokens=True).strip()}
     assert out["conversations"] == messages and messages[1]["content"] != "old"
+
+
+def test_regenerate_takes_any_mix_of_record_kinds_at_any_batch_size(world, tmp_path, capsys):
+    """Text records, pre-tokenized ones (with and without a prompt/answer split), a conversation and a record
+    too long for max_len, at batch sizes 1 to 4 (batches of text records alone among them): the same output
+    at every size, text and too-long records copied as they are, and the counts of each."""
+    from eagle3_jax import cli
+
+    from test_training_data import char_tokenizer
+
+    folder, target = world
+    tok = char_tokenizer(tmp_path / "tok")
+    records = [{"text": "plain"}, {"text": "more"}, {"input_ids": [3, 4, 5]},
+               {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]},
+               {"input_ids": [7, 8, 9, 10], "loss_mask": [0, 0, 1, 1]}, {"input_ids": list(range(70))}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    outputs = []
+    for size in (1, 2, 3, 4):
+        stats = regenerate.regenerate(target, tmp_path / "in.jsonl", tmp_path / f"out{size}.jsonl", tokenizer=tok,
+                                      max_new_tokens=4, batch_size=size, max_len=64, progress=False)
+        assert stats == regenerate.RegenerateStats(written=6, resumed_after=0, regenerated=3, copied=2, too_long=1)
+        outputs.append([json.loads(line) for line in open(tmp_path / f"out{size}.jsonl")])
+    assert all(out == outputs[0] for out in outputs[1:])
+    out = outputs[0]
+    assert out[0] == records[0] and out[1] == records[1] and out[5] == records[5]
+    for r, prompt in ((out[2], [3, 4, 5]), (out[4], [7, 8])):  # the prompt kept, the answer the target's
+        n = len(r["input_ids"]) - len(prompt)
+        assert r["input_ids"][:len(prompt)] == prompt and r["loss_mask"] == [0] * len(prompt) + [1] * n and n > 0
+    assert out[3]["conversations"][1]["content"] != "old"
+    # The reported case through the command: 2 text and 2 pre-tokenized records at --batch-size 2.
+    (tmp_path / "in4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3] + records[4:5]))
+    assert cli.main(["regenerate", "--target", str(folder / "target"), "--data", str(tmp_path / "in4.jsonl"),
+                     "--out", str(tmp_path / "cli.jsonl"), "--max-new-tokens", "4", "--batch-size", "2",
+                     "--max-len", "64", "--dtype", "float32"]) == 0
+    assert (f"wrote 4 records to {tmp_path / 'cli.jsonl'} (resumed after 0): 2 regenerated, 2 copied (nothing to "
+            "rewrite), 0 kept unchanged from the first turn longer than --max-len") in capsys.readouterr().out

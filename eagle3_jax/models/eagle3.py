@@ -58,24 +58,37 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
     Returns the pre-norm output hidden [B, T, D] and the cache with the new K/V written (lengths
     unchanged: the caller commits).
     """
+    T = tokens.shape[1]
+
+    def cached_attention(qkv, cos, sin):
+        q, k_buf, v_buf = rotate_and_cache(
+            qkv, cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=cfg.num_heads,
+            q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
+            eps=cfg.rms_norm_eps, kernels=kernels,
+        )
+        return attend(q, k_buf, v_buf, cache.lengths, kernels), kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
+
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    return layer(params, cfg, embed, h, tokens, positions, cached_attention, kernels)
+
+
+def layer(params, cfg: DrafterConfig, embed, h, tokens, positions, attention, kernels: str):
+    """The drafter's layer over T pairs (h_t, token_{t+1}) at `positions` [B, T], its attention an argument:
+    attention(qkv [B, T, (N + 2K) H], cos, sin) -> (output [B, T, N, H], what it carries). Inference attends
+    through the KV cache (`forward`); training-time test, through its own mask (training/ttt.py). Returns the
+    pre-norm output hidden [B, T, D] and what the attention carries."""
     B, T = tokens.shape
     N, H, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     normed_h = rms_norm(h, params["hidden_norm"], eps)
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["embed_norm"], eps), normed_h], axis=-1)
-    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(positions, cfg.rope, h.dtype)
-    q, k_buf, v_buf = rotate_and_cache(
-        linear(x, params["wqkv"]), cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=N,
-        q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
-        eps=eps, kernels=kernels,
-    )
-    attn = attend(q, k_buf, v_buf, cache.lengths, kernels)
+    attn, carried_by_attention = attention(linear(x, params["wqkv"]), cos, sin)
     attn = linear(attn.reshape(B, T, N * H), params["wo"])
     h, normed = add_rms_norm(residual, attn, params["mlp_norm"], eps, kernels)
     h = h + gated_mlp(normed, params["w_gate_up"], params["w_down"])
-    return h, kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
+    return h, carried_by_attention
 
 
 def project_features(params, cfg: DrafterConfig, features) -> jax.Array:

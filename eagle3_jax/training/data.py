@@ -180,7 +180,7 @@ def _conversation(record: Record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Rendered with the chat template; the loss mask covers each assistant turn's content and the token
     right after it (the end-of-turn token), as SpecForge's `_apply_loss_mask_from_chat_template` marks
     tokens that overlap [content start, content end]."""
-    text = tokenizer.apply_chat_template(list(record.messages), tokenize=False)
+    text = render_chat(tokenizer, list(record.messages), record.source)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2)
     mask = np.zeros((len(offsets),), np.int8)
@@ -192,6 +192,18 @@ def _conversation(record: Record, tokenizer) -> tuple[np.ndarray, np.ndarray]:
         mask[(offsets[:, 1] > start) & (offsets[:, 0] <= end)] = 1
         cursor = end
     return np.asarray(encoded["input_ids"], np.int64), mask
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], where: str, **kwargs) -> str:
+    """The messages rendered with the tokenizer's chat template; DataError naming `where` (file:line) when it
+    has none or the template fails on them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: a conversation needs a chat template, and the target's tokenizer has none "
+                        "(tokenizer_config.json's chat_template)")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2's errors from the template itself, whatever their class
+        raise DataError(f"{where}: the chat template failed on this conversation: {e}") from e
 
 
 def _find_content(text: str, content: str, cursor: int, where: str) -> tuple[int, int]:

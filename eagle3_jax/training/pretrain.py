@@ -2,9 +2,11 @@
 orbax checkpoints with exact resume. It is how the demo pair's target is made (eagle3_jax/demo/build.py); a
 drafter for a real target is trained with `train_drafter` instead.
 
-The data is one token stream (documents joined by an end-of-text id); update i reads `batch_size` windows of
-`seq_len + 1` tokens at offsets drawn from (seed, i) alone, so a resumed run reads what an uninterrupted one
-would. Master parameters and the optimizer state are float32; the forward and backward run in compute_dtype.
+The loop, its output folder (run record, metrics.jsonl, checkpoints) and its stop on SIGINT/SIGTERM are
+the drafter trainer's (`loop.py`). The data is one token stream (documents joined by an end-of-text id);
+update i reads `batch_size` windows of `seq_len + 1` tokens at offsets drawn from (seed, i) alone, so a
+resumed run reads what an uninterrupted one would. Master parameters and the optimizer state are float32; the
+forward and backward run in compute_dtype.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ import optax
 
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.training.trainer import checkpoint_manager
+from eagle3_jax.training import loop, optim
 
 _NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm")
-INIT_STD = 0.02  # transformers' Qwen3 initializer_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,39 +59,22 @@ class PretrainConfig:
 
 def init_params(cfg: Qwen3Config, seed: int) -> dict:
     """Weights ~ N(0, 0.02) and norms at one, as transformers initialises a Qwen3; float32."""
-    abstract = qwen3.abstract_params(cfg, jnp.float32)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-
-    def init(path, leaf, key):
-        if _leaf_name(path) in _NORMS:
-            return jnp.ones(leaf.shape, jnp.float32)
-        return INIT_STD * jax.random.normal(key, leaf.shape, jnp.float32)
-
-    return jax.tree_util.tree_unflatten(treedef, [init(p, x, k) for (p, x), k in zip(leaves, keys)])
+    return optim.init_params(qwen3.abstract_params(cfg, jnp.float32), seed, _NORMS)
 
 
-def _leaf_name(path) -> str:
-    last = path[-1]
-    return getattr(last, "key", getattr(last, "name", str(last)))
-
-
-def learning_rate(config: PretrainConfig):
+def _schedule(config: PretrainConfig):
     """Linear warmup to the peak, then a cosine down to min_lr_ratio of it at the last update."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-        decay_steps=config.steps, end_value=config.learning_rate * config.min_lr_ratio)
+    return optim.warmup_cosine(config.learning_rate, config.warmup_steps, config.steps,
+                               end_value=config.learning_rate * config.min_lr_ratio)
 
 
-def optimizer(config: PretrainConfig) -> optax.GradientTransformation:
+def _optimizer(config: PretrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW; norms are not decayed."""
     def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) not in _NORMS, params)
+        return jax.tree_util.tree_map_with_path(lambda p, _: optim.leaf_name(p) not in _NORMS, params)
 
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(learning_rate(config), b1=0.9, b2=config.b2, eps=1e-8, weight_decay=config.weight_decay,
-                    mask=decay_mask))
+    return optim.adamw(_schedule(config), config.max_grad_norm, config.weight_decay, b2=config.b2,
+                       decay_mask=decay_mask)
 
 
 def next_token_loss(params: dict, cfg: Qwen3Config, windows: jax.Array, compute_dtype: str = "float32"):
@@ -113,15 +97,16 @@ class PretrainState:
 
 def init_state(cfg: Qwen3Config, config: PretrainConfig) -> PretrainState:
     params = init_params(cfg, config.seed)
-    return PretrainState(jnp.zeros((), jnp.int32), params, optimizer(config).init(params))
+    return PretrainState(jnp.zeros((), jnp.int32), params, _optimizer(config).init(params))
 
 
 def train_step(state: PretrainState, windows, *, cfg: Qwen3Config, config: PretrainConfig):
-    """One update; returns the new state and the batch's loss (before the update) and gradient norm."""
-    loss, grads = jax.value_and_grad(next_token_loss)(state.params, cfg, windows, config.compute_dtype)
-    updates, opt_state = optimizer(config).update(grads, state.opt_state, state.params)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(config)(state.step)}
-    return PretrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), metrics
+    """One update; returns the new state and the batch's loss (before the update), gradient norm and
+    learning rate."""
+    def loss_fn(params, windows):
+        return next_token_loss(params, cfg, windows, config.compute_dtype), {}
+
+    return optim.update(state, loss_fn, _optimizer(config), _schedule(config), windows)
 
 
 jit_train_step = jax.jit(train_step, static_argnames=("cfg", "config"), donate_argnames=("state",))
@@ -154,61 +139,31 @@ def pretrain(cfg: Qwen3Config, stream: np.ndarray, out_dir: str | Path, config: 
              time_budget_s: float = math.inf, log_every: int = 50, checkpoint_every: int = 500,
              held_out: np.ndarray | None = None) -> PretrainState:
     """Trains from the latest checkpoint in out_dir (or from scratch) until config.steps updates are done or
-    time_budget_s has passed, then checkpoints. metrics.jsonl gets a line every log_every updates, and the
-    loss on the held_out stream (`evaluate_loss`) at every checkpoint. Returns the state; its step says
-    whether the run is complete."""
-    import orbax.checkpoint as ocp
-
+    time_budget_s has passed, then checkpoints; a run in out_dir with another model or settings is refused.
+    metrics.jsonl gets a line every log_every updates, and the loss on the held_out stream (`evaluate_loss`)
+    at every checkpoint. SIGINT and SIGTERM checkpoint and raise `loop.Interrupted`. Returns the state; its
+    step says whether the run is complete."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _check_run(out_dir, cfg, config)
-    state = init_state(cfg, config)
-    manager = checkpoint_manager(out_dir)
-    latest = manager.latest_step()
-    if latest is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+    loop.open_run(out_dir, {"model": repr(cfg), **dataclasses.asdict(config)}, resume=True, overwrite=False)
     start = time.perf_counter()
-    clock, since = start, int(state.step)  # tokens/s counts the updates since the last line, timed alone
-    try:
-        for index in range(int(state.step), config.steps):
-            state, metrics = jit_train_step(state, jnp.asarray(windows_at(stream, config, index)), cfg=cfg,
-                                            config=config)
-            done = index + 1
-            if done % log_every == 0 or done == config.steps:
-                m = jax.device_get(metrics)
-                tokens = (done - since) * config.batch_size * config.seq_len
-                _log(out_dir, {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                               "lr": float(m["lr"]), "tokens_per_s": tokens / (time.perf_counter() - clock)})
-                clock, since = time.perf_counter(), done
-            out_of_time = time.perf_counter() - start > time_budget_s
-            if done % checkpoint_every == 0 or done == config.steps or out_of_time:
-                manager.save(done, args=ocp.args.StandardSave(state))
-                if held_out is not None:
-                    _log(out_dir, {"step": done,
-                                   "held_out_loss": evaluate_loss(state.params, cfg, held_out, config.seq_len)})
-                clock, since = time.perf_counter(), done
-            if out_of_time:
-                break
-    finally:
-        manager.wait_until_finished()
-        manager.close()
-    return state
+
+    def update(state, index):
+        windows = jnp.asarray(windows_at(stream, config, index))
+        return (*jit_train_step(state, windows, cfg=cfg, config=config), config.batch_size * config.seq_len)
+
+    def after_save(state):
+        if held_out is not None:
+            loss = evaluate_loss(state.params, cfg, held_out, config.seq_len)
+            line = {"step": int(state.step), "held_out_loss": loss}
+            loop.append_jsonl(out_dir / "metrics.jsonl", line)
+            _print(line)
+
+    spec = loop.LoopSpec(total=config.steps, log_every=log_every, checkpoint_every=checkpoint_every,
+                         on_log=_print, after_save=after_save,
+                         out_of_time=lambda: time.perf_counter() - start > time_budget_s,
+                         resume_hint="pre-train into the same folder again to continue")
+    return loop.run(init_state(cfg, config), out_dir, update, spec, resume=True)
 
 
-def _log(out_dir: Path, line: dict) -> None:
-    with open(out_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
+def _print(line: dict) -> None:
     print(json.dumps(line), flush=True)
-
-
-def _check_run(out_dir: Path, cfg: Qwen3Config, config: PretrainConfig) -> None:
-    """A resumed run must have the same model and settings as the checkpoints it continues."""
-    record = {"model": repr(cfg), "config": repr(config)}
-    path = out_dir / "run.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved != record:
-            raise ValueError(f"{out_dir}: its checkpoints were trained with other settings; use another folder")
-    else:
-        path.write_text(json.dumps(record, indent=1))

@@ -6,9 +6,10 @@ through our Engine, a batch of records at a time, greedy or sampled (`temperatur
 * pre-tokenized records: the prompt (`data.prompt_length`: the tokens before the first loss-masked one, or
   the whole record when there is no prompt/answer split) is kept and the rest becomes the target's
   continuation, with the loss on it;
-* text records have no turn to rewrite and are copied.
-The output is written record by record in input order, so an interrupted run resumes after the last
-complete line of OUT.
+* text records, and conversations without an assistant turn, have nothing to rewrite and are copied.
+A turn whose prompt does not fit max_len is kept, with every later turn of its record. Records of every kind
+may share a batch. The output is written record by record in input order, so an interrupted run resumes
+after the last complete line of OUT.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from pathlib import Path
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids
 from eagle3_jax.decoding.engine import Engine
-from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length
+from eagle3_jax.training.data import DataError, jsonl_objects, parse_record, prompt_length, render_chat
 
 
 @dataclasses.dataclass(frozen=True)
 class RegenerateStats:
-    written: int  # records written by this run
+    written: int  # records written by this run: regenerated + copied + too_long
     resumed_after: int  # records found complete in OUT and skipped
-    copied: int  # records with nothing to rewrite, or too long for max_len
+    regenerated: int  # records whose every turn is the target's
+    copied: int  # records with nothing to rewrite (text, or no assistant turn), copied as they are
+    too_long: int  # records kept from the first turn whose prompt does not fit max_len (earlier turns rewritten)
 
 
 def _done_lines(out: Path) -> int:
@@ -54,7 +57,7 @@ def _prompts(record, raw: dict, turn: int, tokenizer) -> list[int] | None:
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turn >= len(at):
         return None
-    text = tokenizer.apply_chat_template(messages[:at[turn]], add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, messages[:at[turn]], record.source, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -68,10 +71,12 @@ def _apply(record, raw: dict, turn: int, prompt: list[int], generated: list[int]
     messages[at] = {"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True).strip()}
 
 
-def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple, sampling: dict) -> int:
-    """Rewrites the items' turns in place, turn by turn across the batch; returns how many were too long."""
-    too_long = set()
-    for turn in range(max(len(r.messages) if r.messages else 1 for r, _ in items)):
+def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple,
+                   sampling: dict) -> tuple[set, set]:
+    """Rewrites the items' turns in place, turn by turn across the batch (of any kinds); returns the ids of
+    the raw records with a turn rewritten and of those with a turn too long for the engine."""
+    rewritten, too_long = set(), set()
+    for turn in range(max((len(r.messages) if r.messages else 1 for r, _ in items), default=0)):
         jobs = [(r, raw, p) for r, raw in items if id(raw) not in too_long
                 and (p := _prompts(r, raw, turn, tokenizer)) is not None]
         fits = [(r, raw, p) for r, raw, p in jobs if len(p) < engine.max_len]
@@ -81,7 +86,8 @@ def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, 
         results = engine.generate([p for _, _, p in fits], max_new_tokens, stops, **sampling)
         for (r, raw, p), res in zip(fits, results):
             _apply(r, raw, turn, list(p), res.token_ids, tokenizer)
-    return len(too_long)
+            rewritten.add(id(raw))
+    return rewritten, too_long
 
 
 def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
@@ -100,9 +106,12 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
     records = [(parse_record(raw, where), raw) for where, raw in jsonl_objects(data_in)]
     if not records:
         raise DataError(f"{data_in}: no records")
-    if tokenizer is None and any(r.messages is not None for r, _ in records):
-        raise DataError(f"{next(r.source for r, _ in records if r.messages)}: conversations need the target's "
-                        "tokenizer (tokenizer.json in the target folder)")
+    conversation = next((r for r, _ in records if r.messages is not None), None)
+    if conversation is not None and tokenizer is None:
+        raise DataError(f"{conversation.source}: conversations need the target's tokenizer (tokenizer.json in "
+                        "the target folder)")
+    if conversation is not None:  # a missing or broken chat template, before any generation
+        render_chat(tokenizer, list(conversation.messages), conversation.source)
     done = _done_lines(out)
     engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
                     max_len=min(max_len, target.config.max_position_embeddings))
@@ -112,7 +121,7 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(records), initial=done, desc="regenerating", unit="record")
-    copied = written = 0
+    regenerated = too_long = written = 0
     for start in range(done, len(records), batch_size):
         items = records[start:start + batch_size]
         for r, raw in items:
@@ -120,9 +129,9 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
                 raw["conversations_rewritten"] = [dict(m) for m in r.messages]
         sampling = {"temperature": temperature, "top_p": top_p,
                     "seed": None if seed is None else (seed * 1_000_003 + start) % 2**63}
-        copied += _rewrite_batch(engine, [(r, raw) for r, raw in items if r.text is None], tokenizer,
-                                 max_new_tokens, stops, sampling)
-        copied += sum(r.text is not None for r, _ in items)
+        rewritten, long = _rewrite_batch(engine, items, tokenizer, max_new_tokens, stops, sampling)
+        too_long += len(long)
+        regenerated += len(rewritten - long)
         with open(out, "a", encoding="utf-8") as f:
             for r, raw in items:
                 if r.messages is not None:
@@ -133,4 +142,5 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
             bar.update(len(items))
     if bar is not None:
         bar.close()
-    return RegenerateStats(written=written, resumed_after=done, copied=copied)
+    return RegenerateStats(written=written, resumed_after=done, regenerated=regenerated,
+                           copied=written - regenerated - too_long, too_long=too_long)

@@ -8,7 +8,6 @@ The embedding is the target's and is not trained (SpecForge loads it from the ta
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,9 @@ from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import qwen3
 from eagle3_jax.models.config import Qwen3Config, RopeConfig
 from eagle3_jax.models.eagle3 import DrafterConfig
-from eagle3_jax.training import ttt
+from eagle3_jax.training import optim, ttt
 
 _NORMS = ("hidden_norm", "embed_norm", "mlp_norm", "final_norm")
-INIT_STD = 0.02  # transformers' initializer_range, which SpecForge's drafter keeps (lm_head included)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,34 +63,22 @@ def drafter_config(target: Qwen3Config, draft_vocab_size: int) -> DrafterConfig:
 def init_params(cfg: DrafterConfig, seed: int) -> dict:
     """Linear weights ~ N(0, 0.02), norms at one: the transformers initialisation SpecForge starts from."""
     shapes = {k: v for k, v in drafter_lib.abstract_params(cfg, jnp.float32).items() if k != "d2t"}
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return {name: jnp.ones(s.shape, jnp.float32) if name in _NORMS
-            else INIT_STD * jax.random.normal(key, s.shape, jnp.float32)
-            for key, (name, s) in zip(keys, sorted(shapes.items()))}
+    return optim.init_params(shapes, seed, _NORMS)
 
 
-def learning_rate(spec: StepSpec):
-    """SpecForge's CosineAnnealingWarmupLR as an optax schedule of the update count i: (i + 1) / W * lr
-    for i < W, then a cosine from lr to 0 over the remaining total - W updates."""
-    warmup, total, peak = spec.warmup_steps, spec.total_steps, spec.learning_rate
-
-    def schedule(i):
-        warm = (i + 1) / max(warmup, 1) * peak
-        progress = (i - warmup) / max(total - warmup, 1)
-        return jnp.where(i < warmup, warm, 0.5 * peak * (1 + jnp.cos(math.pi * progress)))
-
-    return schedule
+def _schedule(spec: StepSpec):
+    """SpecForge's CosineAnnealingWarmupLR: (i + 1) / W * lr for update i < W, then a cosine from lr to 0
+    over the remaining total - W updates."""
+    return optim.warmup_cosine(spec.learning_rate, spec.warmup_steps, spec.total_steps, warmup_from_one=True)
 
 
-def optimizer(spec: StepSpec) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with torch's defaults (betas 0.9 / 0.999, eps 1e-8), as SpecForge's
-    BF16Optimizer."""
-    return optax.chain(optax.clip_by_global_norm(spec.max_grad_norm),
-                       optax.adamw(learning_rate(spec), b1=0.9, b2=0.999, eps=1e-8, weight_decay=spec.weight_decay))
+def _optimizer(spec: StepSpec) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with torch's defaults, as SpecForge's BF16Optimizer."""
+    return optim.adamw(_schedule(spec), spec.max_grad_norm, spec.weight_decay)
 
 
 def init_state(spec: StepSpec, params: dict, d2t) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer(spec).init(params), jnp.asarray(d2t, jnp.int32))
+    return TrainState(jnp.zeros((), jnp.int32), params, _optimizer(spec).init(params), jnp.asarray(d2t, jnp.int32))
 
 
 def target_teacher(tparams, spec: StepSpec, tokens):
@@ -105,7 +91,7 @@ def target_teacher(tparams, spec: StepSpec, tokens):
 
 
 def loss_and_metrics(params, d2t, tparams, spec: StepSpec, tokens, loss_mask):
-    """(weighted loss, (per-step losses, per-step accuracies)) of one batch."""
+    """(weighted loss, {"ploss": per-step losses, "acc": per-step accuracies}) of one batch."""
     with jax.named_scope("target"):
         features, logits = target_teacher(tparams, spec, tokens)
     ids, teacher_logits, mask = ttt.specforge_layout(tokens, logits, loss_mask)
@@ -114,18 +100,15 @@ def loss_and_metrics(params, d2t, tparams, spec: StepSpec, tokens, loss_mask):
     with jax.named_scope("ttt"):
         losses, accs = ttt.ttt_losses(p, spec.drafter, tparams["embed"].astype(dtype), features.astype(dtype), ids,
                                       teacher_logits, mask, spec.ttt_steps)
-    return ttt.weighted_loss(losses, spec.loss_decay), (losses, accs)
+    return ttt.weighted_loss(losses, spec.loss_decay), {"ploss": losses, "acc": accs}
 
 
 def train_step(state: TrainState, tparams, tokens, loss_mask, *, spec: StepSpec):
     """One update. Returns the new state and the metrics of the batch (before the update)."""
-    grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
-    (loss, (losses, accs)), grads = grad_fn(state.params, state.d2t, tparams, spec, tokens, loss_mask)
-    updates, opt_state = optimizer(spec).update(grads, state.opt_state, state.params)
-    metrics = {"loss": loss, "ploss": losses, "acc": accs, "grad_norm": optax.tree.norm(grads),
-               "lr": learning_rate(spec)(state.step)}
-    new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state, state.d2t)
-    return new, metrics
+    def loss_fn(params, tokens, loss_mask):
+        return loss_and_metrics(params, state.d2t, tparams, spec, tokens, loss_mask)
+
+    return optim.update(state, loss_fn, _optimizer(spec), _schedule(spec), tokens, loss_mask)
 
 
 jit_train_step = jax.jit(train_step, static_argnames=("spec",), donate_argnames=("state",))

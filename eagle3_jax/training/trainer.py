@@ -1,8 +1,9 @@
 """`train_drafter`: an EAGLE-3 drafter for a loaded Qwen3 target, trained in JAX with the target's features
 computed inside the step (nothing written to disk), data parallel over every device of a "data" mesh axis.
 
-Output folder:
-  config.json, model.safetensors   the drafter in SpecForge's flat format (`export.py`)
+Output folder (the run's files; `loop.py` keeps the record, logs and checkpoints):
+  config.json, model.safetensors   the drafter in SpecForge's flat format (`checkpoints/drafter_export.py`)
+  run.json                         the settings a resume must match
   metrics.jsonl                    one line per logged step (loss, per-step losses and accuracies, ...)
   eval.jsonl                       tau at each evaluation (greedy, per gamma)
   checkpoints/<step>/              orbax: parameters, optimizer state, step (for `resume`)
@@ -11,10 +12,8 @@ Output folder:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
+import hashlib
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,10 +25,15 @@ from eagle3_jax.checkpoints import drafter_export as export
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.training import batching, evaluate, step, vocab
+from eagle3_jax.training import batching, evaluate, loop, step, vocab
 from eagle3_jax.training.data import load_samples
 
 _COMPUTE_DTYPES = ("bfloat16", "float32")
+RUN_FILES = (*loop.RUN_FILES, "config.json", "model.safetensors")
+# The settings an update depends on: a resume must give the same (with the target, the data's shape and the
+# draft vocabulary, `_run_record`).
+_RUN_SETTINGS = ("draft_vocab_size", "ttt_steps", "loss_decay", "max_seq_len", "batch_size", "learning_rate",
+                 "warmup_ratio", "weight_decay", "max_grad_norm", "steps", "epochs", "seed", "compute_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,8 @@ class TrainConfig:
     epochs: int = 1
     seed: int = 0
     checkpoint_every: int = 1000  # orbax checkpoint every N updates (and at the end)
-    resume: bool = False  # continue from the latest checkpoint in out_dir
+    resume: bool = False  # continue the run in out_dir from its latest checkpoint (the same settings)
+    overwrite: bool = False  # replace the run in out_dir (its files are removed first)
     log_every: int = 10  # metrics line and progress figures every N updates (each costs a device sync)
     eval_data: tuple[str, ...] = ()  # held-out prompts for tau; none: no evaluation
     eval_every: int = 0  # also evaluate every N updates (0: at the end only)
@@ -76,6 +81,8 @@ class TrainConfig:
             raise ValueError("TrainConfig needs 0 <= warmup_ratio <= 1, learning_rate > 0 and max_grad_norm > 0")
         if self.compute_dtype not in _COMPUTE_DTYPES or self.export_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"TrainConfig.compute_dtype and export_dtype must be one of {_COMPUTE_DTYPES}")
+        if self.resume and self.overwrite:
+            raise ValueError("TrainConfig.resume and overwrite exclude each other")
         if any(g < 1 for g in self.eval_gammas) or self.eval_every < 0 or self.num_devices < 0:
             raise ValueError("TrainConfig needs eval_gammas >= 1, eval_every >= 0 and num_devices >= 0")
 
@@ -100,9 +107,9 @@ class _Run:
     num_batches: int
     spec: step.StepSpec
     mesh: Mesh
-    tparams: dict
     eval_prompts: list
     stop_ids: tuple
+    tparams: dict | None = None  # the target's parameters on the mesh, put there after every host check
     plans: dict = dataclasses.field(default_factory=dict)  # epoch -> its batches (the latest epoch only)
 
     def plan(self, config: "TrainConfig", epoch: int) -> list[list[int]]:
@@ -114,7 +121,7 @@ class _Run:
 
 
 def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarray]:
-    """Everything checked on the host first (data, vocabulary, devices): bad input fails before device work."""
+    """Everything checked on the host (data, vocabulary, devices): bad input fails before device work."""
     tokenizer = load_tokenizer(target.folder)
     tcfg = target.config
     paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
@@ -139,10 +146,7 @@ def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarra
                          loss_decay=config.loss_decay, compute_dtype=config.compute_dtype, kernels=kernels,
                          learning_rate=config.learning_rate, warmup_steps=int(config.warmup_ratio * total),
                          total_steps=total, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
-    stop_ids = eos_stop_ids(tokenizer)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    tparams = jax.device_put(target.params, replicated)
-    return _Run(samples, lengths, seq_len, num_batches, spec, mesh, tparams, eval_prompts, stop_ids), d2t
+    return _Run(samples, lengths, seq_len, num_batches, spec, mesh, eval_prompts, eos_stop_ids(tokenizer)), d2t
 
 
 def _batch(run: _Run, config: TrainConfig, index: int) -> batching.Batch:
@@ -151,47 +155,11 @@ def _batch(run: _Run, config: TrainConfig, index: int) -> batching.Batch:
     return batching.assemble(run.samples, run.plan(config, epoch)[i], config.batch_size, run.seq_len)
 
 
-def checkpoint_manager(out_dir: Path):
-    """Orbax checkpoints under out_dir/checkpoints, the latest two kept (the drafter's and `pretrain`'s)."""
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    return ocp.CheckpointManager((out_dir / "checkpoints").absolute(), options=options)
-
-
-def _as_tree(state: step.TrainState) -> dict:
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "d2t": state.d2t}
-
-
-def _run_record(run: _Run, config: TrainConfig) -> dict:
-    """What an update depends on besides the data: a resumed run must match it to continue exactly."""
-    return {"step_spec": repr(run.spec), "batch_size": config.batch_size, "seq_len": run.seq_len,
-            "seed": config.seed, "num_batches": run.num_batches}
-
-
-def _initial_state(run: _Run, config: TrainConfig, d2t: np.ndarray, manager, out_dir: Path) -> step.TrainState:
-    replicated = NamedSharding(run.mesh, PartitionSpec())
-    state = jax.device_put(step.init_state(run.spec, step.init_params(run.spec.drafter, config.seed), d2t), replicated)
-    record_file = out_dir / "checkpoints" / "run.json"
-    latest = manager.latest_step() if config.resume else None
-    if latest is None:
-        if config.resume:
-            print(f"resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", flush=True)
-        record_file.write_text(json.dumps(_run_record(run, config), indent=1))
-        return state
-    saved = json.loads(record_file.read_text()) if record_file.exists() else {}
-    changed = [k for k, v in _run_record(run, config).items() if saved.get(k) != v]
-    if changed:
-        raise ValueError(f"--resume: the checkpoints in {out_dir / 'checkpoints'} were trained with other settings "
-                         f"({', '.join(changed)} differ); resume with the same data and settings, or a new --out")
-    import orbax.checkpoint as ocp
-
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _as_tree(state))
-    tree = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-    if not np.array_equal(np.asarray(tree["d2t"]), d2t):
-        raise ValueError(f"--resume: the checkpoint at step {latest} was trained on another draft vocabulary "
-                         "(different data or --draft-vocab-size)")
-    return step.TrainState(tree["step"], tree["params"], tree["opt_state"], tree["d2t"])
+def _run_record(run: _Run, config: TrainConfig, d2t: np.ndarray) -> dict:
+    """What an update depends on besides the data's order: a resumed run must match it to continue exactly."""
+    settings = {name: getattr(config, name) for name in _RUN_SETTINGS}
+    return {**settings, "kernels": run.spec.kernels, "target": repr(run.spec.target), "seq_len": run.seq_len,
+            "num_batches": run.num_batches, "draft_vocabulary": hashlib.sha256(d2t.tobytes()).hexdigest()[:16]}
 
 
 def _evaluate(target: Target, run: _Run, config: TrainConfig, state: step.TrainState, out_dir: Path) -> dict:
@@ -200,46 +168,39 @@ def _evaluate(target: Target, run: _Run, config: TrainConfig, state: step.TrainS
     for gamma in config.eval_gammas:
         result[f"tau_gamma{gamma}"] = evaluate.tau(target, drafter, run.eval_prompts, gamma,
                                                    config.eval_max_new_tokens, run.stop_ids, run.spec.kernels)
-    with open(out_dir / "eval.jsonl", "a") as f:
-        f.write(json.dumps(result) + "\n")
+    loop.append_jsonl(out_dir / "eval.jsonl", result)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), flush=True)
     return result
 
 
-def _log(metrics, tokens: int, seconds: float, out_dir: Path, bar) -> None:
-    m = jax.device_get(metrics)
-    line = {"step": int(m["step"]), "loss": float(m["loss"]), "ploss": [float(x) for x in m["ploss"]],
-            "acc": [float(x) for x in m["acc"]], "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-            "tokens_per_s": tokens / seconds if seconds > 0 else math.nan}
-    with open(out_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
+def _show(bar, line: dict) -> None:
     if bar is not None:
         bar.set_postfix(loss=f"{line['loss']:.3f}", **{f"acc_{i}": f"{a:.2f}" for i, a in enumerate(line["acc"])},
                         tok_s=f"{line['tokens_per_s']:.0f}")
 
 
-def _loop(target: Target, run: _Run, config: TrainConfig, state: step.TrainState, manager, out_dir: Path, bar):
-    """The updates from the state's step to the last, with logging, checkpoints and periodic evaluation."""
-    import orbax.checkpoint as ocp
-
+def _train(target: Target, run: _Run, config: TrainConfig, state: step.TrainState, out_dir: Path, resume: bool,
+           bar) -> tuple[step.TrainState, dict]:
+    """The updates from the state's step (the latest checkpoint's, on resume) to the last, with logging,
+    checkpoints and periodic evaluation (`loop.run`)."""
     sharded = NamedSharding(run.mesh, PartitionSpec("data"))
     total, last_eval = run.spec.total_steps, {}
-    tokens_since, clock = 0, time.perf_counter()
-    for index in range(int(state.step), total):
+
+    def update(state, index):
         batch = _batch(run, config, index)
         tokens, mask = jax.device_put((batch.tokens, batch.loss_mask), sharded)
-        state, metrics = step.jit_train_step(state, run.tparams, tokens, mask, spec=run.spec)
-        tokens_since += batch.num_tokens
-        done = index + 1
-        if done % config.log_every == 0 or done == total:
-            _log({**metrics, "step": done}, tokens_since, time.perf_counter() - clock, out_dir, bar)
-            tokens_since, clock = 0, time.perf_counter()
-        if done % config.checkpoint_every == 0 or done == total:
-            manager.save(done, args=ocp.args.StandardSave(_as_tree(state)))
+        return (*step.jit_train_step(state, run.tparams, tokens, mask, spec=run.spec), batch.num_tokens)
+
+    def after_step(done, state):
+        nonlocal last_eval
         if run.eval_prompts and config.eval_every and done % config.eval_every == 0 and done != total:
             last_eval = _evaluate(target, run, config, state, out_dir)
         if bar is not None:
-            bar.update(1)
+            bar.update(done - bar.n)
+
+    loop_spec = loop.LoopSpec(total=total, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
+                              on_log=lambda line: _show(bar, line), after_step=after_step)
+    state = loop.run(state, out_dir, update, loop_spec, resume)
     return state, last_eval
 
 
@@ -247,23 +208,25 @@ def train_drafter(target: Target, data: str | os.PathLike | Sequence[str | os.Pa
                   config: TrainConfig = TrainConfig()) -> dict:
     """Trains a drafter for `target` on `data` (files or folders, see eagle3_jax/training/data.py) and writes
     it to `out_dir` in SpecForge's flat format. Returns the last evaluation (tau per gamma), or {} without
-    eval data."""
+    eval data. An out_dir that holds a run needs config.resume or config.overwrite (`loop.open_run`); SIGINT
+    and SIGTERM checkpoint and raise `loop.Interrupted`."""
     out_dir = Path(out_dir)
+    loop.check_reuse(out_dir, config.resume, config.overwrite, RUN_FILES)
     run, d2t = _prepare(target, data, config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manager = checkpoint_manager(out_dir)
-    state = _initial_state(run, config, d2t, manager, out_dir)
+    resume = loop.open_run(out_dir, _run_record(run, config, d2t), config.resume, config.overwrite, RUN_FILES)
+    if config.resume and not resume:
+        print(f"resume: no run in {out_dir}; starting from step 0", flush=True)
+    replicated = NamedSharding(run.mesh, PartitionSpec())
+    run.tparams = jax.device_put(target.params, replicated)
+    state = jax.device_put(step.init_state(run.spec, step.init_params(run.spec.drafter, config.seed), d2t), replicated)
     bar = None
     if config.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=run.spec.total_steps, initial=int(state.step), desc="training drafter", unit="step")
-    last_eval: dict = {}
+        bar = tqdm(total=run.spec.total_steps, desc="training drafter", unit="step")
     try:
-        state, last_eval = _loop(target, run, config, state, manager, out_dir, bar)
-    finally:  # an interrupted run still completes the checkpoint it was writing
-        manager.wait_until_finished()
-        manager.close()
+        state, last_eval = _train(target, run, config, state, out_dir, resume, bar)
+    finally:
         if bar is not None:
             bar.close()
     if run.eval_prompts:

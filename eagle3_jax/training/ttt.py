@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models.eagle3 import DrafterConfig, draft_logits, project_features
-from eagle3_jax.models.layers import apply_rope, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.models.eagle3 import DrafterConfig, draft_logits, layer, project_features
+from eagle3_jax.models.layers import apply_rope
 
 
 def shift_left(x: jax.Array, k: int) -> jax.Array:
@@ -54,25 +54,25 @@ def _attention(q, keys, values):
     out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :T], values[0], preferred_element_type=jnp.float32)
     for i, v in enumerate(values[1:]):
         out = out + jnp.einsum("bkgt,btkh->btkgh", probs[..., T + i], v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(B, T, N * H)
+    return out.astype(q.dtype).reshape(B, T, N, H)
 
 
 def drafter_step(params, cfg: DrafterConfig, embed, h, input_ids, positions, keys, values):
-    """One TTT step of the standard (Llama-layer) drafter over all rows: the inference `forward`'s layer,
-    with the TTT attention in place of the KV cache. h [B, T, D] is fc(features) at step 0, else the
-    previous step's pre-norm output. Returns (output [B, T, D], keys, values with this step's appended)."""
+    """One TTT step of the standard (Llama-layer) drafter over all rows: the inference layer
+    (`models/eagle3.py`'s `layer`) with the TTT attention in place of the KV cache. h [B, T, D] is fc(features)
+    at step 0, else the previous step's pre-norm output. Returns (output [B, T, D], keys, values with this
+    step's appended)."""
     B, T, _ = h.shape
-    N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    # The embedding comes first in the concatenation, then the hidden state (as at inference).
-    x = jnp.concatenate([rms_norm(embed[input_ids].astype(h.dtype), params["embed_norm"], eps),
-                         rms_norm(h, params["hidden_norm"], eps)], axis=-1)
-    q, k, v = jnp.split(linear(x, params["wqkv"]), [N * H, (N + K) * H], axis=-1)
-    cos, sin = rope_tables(positions, cfg.rope, h.dtype)
-    q = apply_rope(q.reshape(B, T, N, H), cos, sin)
-    keys = keys + (apply_rope(k.reshape(B, T, K, H), cos, sin),)
-    values = values + (v.reshape(B, T, K, H),)
-    h = h + linear(_attention(q, keys, values), params["wo"])
-    h = h + gated_mlp(rms_norm(h, params["mlp_norm"], eps), params["w_gate_up"], params["w_down"])
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def ttt_attention(qkv, cos, sin):
+        q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+        q = apply_rope(q.reshape(B, T, N, H), cos, sin)
+        step_keys = keys + (apply_rope(k.reshape(B, T, K, H), cos, sin),)
+        step_values = values + (v.reshape(B, T, K, H),)
+        return _attention(q, step_keys, step_values), (step_keys, step_values)
+
+    h, (keys, values) = layer(params, cfg, embed, h, input_ids, positions, ttt_attention, "xla")
     return h, keys, values
 
 
