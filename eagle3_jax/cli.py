@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--out", required=True, help="output .jsonl; an interrupted run resumes after its last line")
     regen.add_argument("--drafter", help="EAGLE-3 drafter to speed generation up (the output is the same)")
     regen.add_argument("--max-new-tokens", type=int, default=512)
-    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument("--batch-size", type=int, default=8, help="slots of the engine's pool (continuous batching)")
     regen.add_argument("--max-len", type=int, default=4096, help="prompt + answer capacity")
     regen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (SpecForge's example: 0.8)")
     regen.add_argument("--top-p", type=float, default=1.0, help="nucleus filter when sampling (1: none)")

@@ -1,5 +1,5 @@
 """Rewriting training data with the target's own answers (what SpecForge's regenerate_train_data.py does),
-through our Engine, a batch of records at a time, greedy or sampled (`temperature`, `top_p`, `seed`).
+through our Engine's pool of slots (continuous batching), greedy or sampled (`temperature`, `top_p`, `seed`).
 
 * conversations: every assistant turn is replaced, in order, by the target's continuation of the
   conversation so far (earlier turns already rewritten), rendered with the chat template;
@@ -8,8 +8,8 @@ through our Engine, a batch of records at a time, greedy or sampled (`temperatur
   continuation, with the loss on it;
 * text records, and conversations without an assistant turn, have nothing to rewrite and are copied.
 A turn whose prompt does not fit max_len is kept, with every later turn of its record. Records of every kind
-may share a batch. The output is written record by record in input order, so an interrupted run resumes
-after the last complete line of OUT.
+may share a window. The output is written record by record in input order after each window, so an
+interrupted run resumes after the last complete line of OUT.
 """
 
 from __future__ import annotations
@@ -71,33 +71,48 @@ def _apply(record, raw: dict, turn: int, prompt: list[int], generated: list[int]
     messages[at] = {"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True).strip()}
 
 
-def _rewrite_batch(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple,
-                   sampling: dict) -> tuple[set, set]:
-    """Rewrites the items' turns in place, turn by turn across the batch (of any kinds); returns the ids of
-    the raw records with a turn rewritten and of those with a turn too long for the engine."""
+def _record_seed(seed: int, record: int, turn: int) -> int:
+    """A row's seed from the run's, its record's index in the file and the turn: what a row draws depends on
+    nothing else (not the window, nor where a resumed run started)."""
+    return (seed * 1_000_003 + record * 1_009 + turn) % 2**63
+
+
+def _rewrite_window(engine: Engine, items: list, tokenizer, max_new_tokens: int, stops: tuple,
+                    sampling: dict, seed: int | None) -> tuple[set, set]:
+    """Rewrites the items' ((index, record, raw) of any kinds) turns in place, turn by turn across the window,
+    each turn's prompts through the engine's pool in one request; returns the ids of the raw records with a
+    turn rewritten and of those with a turn too long for the engine."""
     rewritten, too_long = set(), set()
-    for turn in range(max((len(r.messages) if r.messages else 1 for r, _ in items), default=0)):
-        jobs = [(r, raw, p) for r, raw in items if id(raw) not in too_long
+    for turn in range(max((len(r.messages) if r.messages else 1 for _, r, _ in items), default=0)):
+        jobs = [(i, r, raw, p) for i, r, raw in items if id(raw) not in too_long
                 and (p := _prompts(r, raw, turn, tokenizer)) is not None]
-        fits = [(r, raw, p) for r, raw, p in jobs if len(p) < engine.max_len]
-        too_long.update(id(raw) for r, raw, p in jobs if len(p) >= engine.max_len)
+        fits = [job for job in jobs if len(job[3]) < engine.max_len]
+        too_long.update(id(raw) for _, _, raw, p in jobs if len(p) >= engine.max_len)
         if not fits:
             continue
-        results = engine.generate([p for _, _, p in fits], max_new_tokens, stops, **sampling)
-        for (r, raw, p), res in zip(fits, results):
+        seeds = None if seed is None else [_record_seed(seed, i, turn) for i, _, _, _ in fits]
+        results = engine.generate([p for *_, p in fits], max_new_tokens, stops, seed=seeds, progress=False,
+                                  **sampling)
+        for (_, r, raw, p), res in zip(fits, results):
             _apply(r, raw, turn, list(p), res.token_ids, tokenizer)
             rewritten.add(id(raw))
     return rewritten, too_long
+
+
+# Records rewritten between two writes of OUT, in pool slots (--batch-size): the pool refills within a window,
+# and only a window's last rows run with slots left empty.
+WINDOW_SLOTS = 16
 
 
 def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
                max_new_tokens: int = 512, batch_size: int = 8, max_len: int = 4096, drafter=None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                progress: bool = True) -> RegenerateStats:
-    """Rewrites the assistant turns of the JSON-lines file data_in into out (see the module docstring).
-    Every record is checked before the first generation. temperature 0 is greedy; otherwise each batch
-    samples with `Engine.generate`'s temperature and top_p, its seed derived from `seed` and the batch's
-    first record (so a resumed run draws what an uninterrupted one would)."""
+    """Rewrites the assistant turns of the JSON-lines file data_in into out (see the module docstring),
+    through an Engine pool of batch_size slots, WINDOW_SLOTS x batch_size records between two writes of out.
+    Every record is checked before the first generation. temperature 0 is greedy; otherwise each row samples
+    with `Engine.generate`'s temperature and top_p, its seed derived from `seed`, its record's index and the
+    turn (so a resumed run draws what an uninterrupted one would)."""
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be positive")
     data_in, out = Path(data_in), Path(out)
@@ -114,7 +129,7 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
         render_chat(tokenizer, list(conversation.messages), conversation.source)
     done = _done_lines(out)
     engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
-                    max_len=min(max_len, target.config.max_position_embeddings))
+                    max_len=min(max_len, target.config.max_position_embeddings), max_batch=batch_size)
     stops = eos_stop_ids(tokenizer)
     bar = None
     if progress:
@@ -122,14 +137,15 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
 
         bar = tqdm(total=len(records), initial=done, desc="regenerating", unit="record")
     regenerated = too_long = written = 0
-    for start in range(done, len(records), batch_size):
-        items = records[start:start + batch_size]
+    window = WINDOW_SLOTS * batch_size
+    for start in range(done, len(records), window):
+        items = records[start:start + window]
         for r, raw in items:
             if r.messages is not None:
                 raw["conversations_rewritten"] = [dict(m) for m in r.messages]
-        sampling = {"temperature": temperature, "top_p": top_p,
-                    "seed": None if seed is None else (seed * 1_000_003 + start) % 2**63}
-        rewritten, long = _rewrite_batch(engine, items, tokenizer, max_new_tokens, stops, sampling)
+        indexed = [(start + k, r, raw) for k, (r, raw) in enumerate(items)]
+        rewritten, long = _rewrite_window(engine, indexed, tokenizer, max_new_tokens, stops,
+                                          {"temperature": temperature, "top_p": top_p}, seed)
         too_long += len(long)
         regenerated += len(rewritten - long)
         with open(out, "a", encoding="utf-8") as f:
