@@ -32,8 +32,6 @@ import jax
 import numpy as np
 
 import eagle3_jax
-from eagle3_jax.decoding.request import bucket_length
-from eagle3_jax.decoding.scheduler import admission_rows
 from eagle3_jax.models import kernels as kernels_lib
 
 from . import dense, presets
@@ -93,26 +91,6 @@ def timed_streams(engine, groups) -> dict:
             "peak_gib": peak_bytes() / 2**30, "accepts": accepts}
 
 
-def warm_up(engine, longest: int) -> None:
-    """Compiles every admission shape the pool can run for prompts of up to `longest` tokens (each prompt
-    bucket at each row count one prefill holds: scheduler.admission_rows) and the call of rounds, so the
-    timed runs compile nothing."""
-    pool, bucket, seen = engine.max_batch, 16, set()
-    while True:
-        length = min(bucket, longest)
-        for count in range(1, pool + 1):
-            rows = admission_rows(count, pool)
-            if rows * bucket_length(length, engine.max_len) > max(engine.prefill_tokens, bucket_length(length,
-                                                                                                      engine.max_len)):
-                break
-            if (rows, length) not in seen:
-                seen.add((rows, length))
-                engine.generate([[1] * length] * count, 2, progress=False)
-        if length == longest:
-            return
-        bucket *= 2
-
-
 def tau_of(engine, prompts, budgets) -> float:
     results = engine.generate(prompts, budgets, progress=False)
     accepts = [a for r in results for a in r.accept_lengths]
@@ -124,8 +102,9 @@ def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, 
                                max_batch=pool)
     chunks = [(prompts[i : i + pool], budgets[i : i + pool]) for i in range(0, len(prompts), pool)]
     start = time.perf_counter()
-    warm_up(engine, max(len(p) for p in prompts))
-    run.add("warm_up", {"pool": pool, "gamma": gamma, "seconds": time.perf_counter() - start})
+    shapes = engine.compile(max(len(p) for p in prompts))
+    run.add("warm_up", {"pool": pool, "gamma": gamma, "admission_shapes": shapes,
+                        "seconds": time.perf_counter() - start})
     for name, groups in (("pool", [(prompts, budgets)]), ("fixed_chunks", chunks)):
         if not run.time_left(f"{name} pool={pool} gamma={gamma}"):
             continue

@@ -10,6 +10,7 @@ import pytest
 
 import eagle3_jax
 from eagle3_jax.demo import PAIR
+from eagle3_jax_bench.profile import count_compilations
 
 import spec_worlds as worlds
 
@@ -175,3 +176,13 @@ def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory():
     # A whole-batch request would hold 2,000 slots of KV: 2,000 x Engine.slot_bytes.
     whole_mb = 2000 * eagle3_jax.decoding.engine.slot_bytes(target, drafter, 64) / 2**20
     assert grown_mb < 200 < whole_mb, (grown_mb, whole_mb)
+
+
+def test_compile_runs_every_shape_a_pool_request_takes(world):
+    target, drafter = world["random"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=POOL)
+    prompts, budgets = mixed_request(4)
+    assert engine.compile(max(len(p) for p in prompts)) == 6  # rows 1 and 3 at buckets 16, 32 and 64
+    with count_compilations() as compiles:
+        engine.generate(prompts, budgets)
+    assert compiles.count == 0
