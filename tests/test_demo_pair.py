@@ -16,11 +16,12 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 import eagle3_jax
 from eagle3_jax.checkpoints.target_export import export_hf
 from eagle3_jax.checkpoints.tokenizer import load_tokenizer
-from eagle3_jax.demo import PAIR, build, corpus
+from eagle3_jax.demo import PAIR, corpus
 from eagle3_jax.demo.__main__ import main as demo_main
 from eagle3_jax.models import qwen3
 from eagle3_jax.training import loop, pretrain
 from eagle3_jax_bench import pair as pair_bench
+from tools import build_demo_pair as build
 
 TINY = build.BuildConfig.tiny()
 
@@ -248,8 +249,8 @@ def test_drafter_data_is_one_length(tmp_path):
     b = build.Build(tmp_path, TINY, deadline=float("inf"))
     span = TINY.drafter_seq_len
     records = [{"input_ids": list(range(n)), "loss_mask": [0] * 3 + [1] * (n - 3)} for n in (span + 9, span, 5)]
-    build._write_jsonl(tmp_path / "regen_greedy.jsonl", records)
+    (tmp_path / "regen_greedy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     np.save(tmp_path / "train_tokens.npy", np.arange(500, dtype=np.uint16))
-    samples = [json.loads(x) for x in b._drafter_data().read_text().splitlines()]
+    samples = [json.loads(x) for x in b.write_drafter_data().read_text().splitlines()]
     assert [len(s["input_ids"]) for s in samples] == [span] * 4
     assert samples[0]["loss_mask"] == records[0]["loss_mask"][:span] and "loss_mask" not in samples[3]

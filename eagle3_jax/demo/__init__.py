@@ -1,5 +1,6 @@
 """The demo pair: a small Qwen3 trained on the Python standard library and its EAGLE-3 drafter, shipped in
-`pair/`, built by `build.py` from the corpus of `corpus.py`; `python -m eagle3_jax.demo` (`make demo`) runs it."""
+`pair/`, built by tools/build_demo_pair.py (outside the library); `python -m eagle3_jax.demo` (`make demo`)
+runs it."""
 
 from pathlib import Path
 

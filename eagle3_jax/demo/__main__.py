@@ -1,6 +1,6 @@
 """`make demo` (`python -m eagle3_jax.demo`): the shipped demo pair, with real text (on the CPU in `make demo`).
 
-The pair (eagle3_jax/demo/pair, built by eagle3_jax/demo/build.py) is a 6-layer Qwen3 trained from scratch on
+The pair (eagle3_jax/demo/pair, built by tools/build_demo_pair.py) is a 6-layer Qwen3 trained from scratch on
 the Python standard library's sources and its EAGLE-3 drafter. For a few prompts cut from files that were
 never trained on, it prints the prompt and the greedy continuation, decoded; checks that speculative output
 equals spec-off output token for token; prints tau, the histogram of accepted drafts and tokens/s both ways;

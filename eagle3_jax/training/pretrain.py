@@ -1,5 +1,5 @@
 """Training a Qwen3 target from scratch: next-token cross-entropy through our own `qwen3.forward`, optax AdamW,
-orbax checkpoints with exact resume. It is how the demo pair's target is made (eagle3_jax/demo/build.py); a
+orbax checkpoints with exact resume. It is how the demo pair's target is made (tools/build_demo_pair.py); a
 drafter for a real target is trained with `train_drafter` instead.
 
 The loop, its output folder (run record, metrics.jsonl, checkpoints) and its stop on SIGINT/SIGTERM are

@@ -1,19 +1,21 @@
 """Builds the demo pair that `make demo` ships: a small Qwen3 trained from scratch on the Python standard
-library's sources, and its EAGLE-3 drafter trained with `eagle3-jax train` on the target's own continuations.
+library's sources, and its EAGLE-3 drafter trained by `train_drafter` on the target's own continuations. It is a
+developer tool, not part of the installed library; run it from the repository root:
 
-    python -m eagle3_jax.demo.build --work DIR [--out eagle3_jax/demo/pair] [--deadline-s S]
+    python -m tools.build_demo_pair --work DIR [--out eagle3_jax/demo/pair] [--deadline-s S] [--until STAGE] [--tiny]
 
 Stages, each skipped when its output is already in DIR, so a build stopped by --deadline-s (no stage starts
 after it; pre-training stops at it, checkpointed) or killed continues where it was when run again with the
 same DIR:
-  corpus      the library's .py files (`corpus.py`), their manifest, the held-out prompts
+  corpus      the library's .py files (eagle3_jax/demo/corpus.py), their manifest, the held-out prompts
   tokenizer   a byte-level BPE trained with `tokenizers` on the training files (AutoTokenizer reads it)
   tokens      the training and held-out files as token streams, documents joined by <|endoftext|>
   target      next-token pre-training (`training/pretrain.py`, orbax, resumable), exported as a Hugging Face
               folder in bfloat16 (the shipped weights; later stages run them in float32)
-  regenerate  `eagle3-jax regenerate`: the target's greedy and sampled continuations of prompts cut from the
+  regenerate  `training/regenerate.py`: the target's greedy and sampled continuations of prompts cut from the
               training files (resumable by line)
-  drafter     `eagle3-jax train` on those continuations (resumable from its orbax checkpoints)
+  drafter     `training/trainer.py`'s `train_drafter` on those continuations (resumable from its orbax
+              checkpoints)
   evaluate    tau on the held-out prompts: greedy at gamma 1..7 and sampled at temperature 0.7 (gamma 3)
   ship        the pair (bfloat16 safetensors), the tokenizer, the prompts, the manifest and record.json
               (settings, stage times, loss curves, tau) into --out
@@ -231,34 +233,39 @@ class Build:
         export_hf(self.work / "target", cfg, params, "bfloat16", eos_token_id=self._tok().token_to_id(EOS))
 
     def regenerate(self):
-        c = self.config
-        for kind in ("greedy", "sampled"):
-            prompts = self.work / f"regen_prompts_{kind}.jsonl"
-            if not prompts.read_text().strip():
-                continue
-            args = ["regenerate", "--target", str(self.work / "target"), "--data", str(prompts),
-                    "--out", str(self.work / f"regen_{kind}.jsonl"), "--max-new-tokens", str(c.regen_max_new_tokens),
-                    "--batch-size", str(c.regen_batch_size), "--max-len", str(c.max_position_embeddings),
-                    "--dtype", "float32"]
-            if kind == "sampled":
-                args += ["--temperature", str(SAMPLED_TEMPERATURE), "--seed", str(c.seed)]
-            _cli(args)
+        import eagle3_jax
+        from eagle3_jax.checkpoints.tokenizer import load_tokenizer
+        from eagle3_jax.training.regenerate import regenerate
+
+        c, folder = self.config, self.work / "target"
+        prompts = {kind: self.work / f"regen_prompts_{kind}.jsonl" for kind in ("greedy", "sampled")}
+        prompts = {kind: path for kind, path in prompts.items() if path.read_text().strip()}
+        target = eagle3_jax.load_target(folder, dtype="float32") if prompts else None
+        for kind, path in prompts.items():
+            sampling = {"temperature": SAMPLED_TEMPERATURE, "seed": c.seed} if kind == "sampled" else {}
+            stats = regenerate(target, path, self.work / f"regen_{kind}.jsonl", tokenizer=load_tokenizer(folder),
+                               max_new_tokens=c.regen_max_new_tokens, batch_size=c.regen_batch_size,
+                               max_len=c.max_position_embeddings, **sampling)
+            print(f"[build] regenerate {kind}: {stats.written} records (resumed after {stats.resumed_after})",
+                  flush=True)
         written = {kind: self.work / f"regen_{kind}.jsonl" for kind in ("greedy", "sampled")}
         self.record["regenerated_records"] = {k: len(_jsonl(p)) for k, p in written.items() if p.exists()}
 
     def drafter(self):
+        import eagle3_jax
+        from eagle3_jax.training.trainer import TrainConfig, train_drafter
+
         c = self.config
-        data = self._drafter_data()
-        args = ["train", "--target", str(self.work / "target"), "--out", str(self.work / "drafter"),
-                "--data", str(data), "--draft-vocab-size", str(c.draft_vocab_size),
-                "--max-seq-len", str(c.drafter_seq_len), "--batch-size", str(c.drafter_batch_size),
-                "--learning-rate", str(c.drafter_learning_rate), "--epochs", str(c.drafter_epochs),
-                "--checkpoint-every", "200", "--seed", str(c.seed), "--dtype", "float32",
-                "--compute-dtype", "float32", "--resume"]
-        _cli(args)
+        data = self.write_drafter_data()
+        config = TrainConfig(draft_vocab_size=c.draft_vocab_size, max_seq_len=c.drafter_seq_len,
+                             batch_size=c.drafter_batch_size, learning_rate=c.drafter_learning_rate,
+                             epochs=c.drafter_epochs, checkpoint_every=200, seed=c.seed, compute_dtype="float32",
+                             resume=True)
+        target = eagle3_jax.load_target(self.work / "target", dtype="float32")
+        train_drafter(target, [data], self.work / "drafter", config)
         self.record["drafter_curve"] = _jsonl(self.work / "drafter" / "metrics.jsonl")
 
-    def _drafter_data(self) -> Path:
+    def write_drafter_data(self) -> Path:
         """The regenerated records cut to drafter_seq_len tokens (those of half of it or less left out) and
         as many windows of plain training text (the target's distribution on real code, too): every sample
         one length, so the training step compiles once."""
@@ -324,14 +331,6 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _cli(args: list[str]) -> None:
-    """Runs `eagle3-jax ARGS` in this process."""
-    from eagle3_jax import cli
-
-    if cli.main(args) != 0:
-        raise RuntimeError(f"eagle3-jax {' '.join(args)} failed")
-
-
 STAGES = ("corpus", "tokenizer", "tokens", "target", "regenerate", "drafter", "evaluate", "ship")
 
 
@@ -351,7 +350,7 @@ def build(work: Path, out: Path, config: BuildConfig, deadline_s: float = math.i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.demo.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.build_demo_pair", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, type=Path, help="working folder; rerun with it to continue")
     parser.add_argument("--out", type=Path, default=PAIR, help="where the finished pair goes")
     parser.add_argument("--deadline-s", type=float, default=float("inf"),
