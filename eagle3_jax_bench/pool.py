@@ -102,7 +102,7 @@ def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, 
                                max_batch=pool)
     chunks = [(prompts[i : i + pool], budgets[i : i + pool]) for i in range(0, len(prompts), pool)]
     start = time.perf_counter()
-    shapes = engine.compile(max(len(p) for p in prompts))
+    shapes = engine.compile(max(len(p) for p in prompts), shortest_prompt=min(len(p) for p in prompts))
     run.add("warm_up", {"pool": pool, "gamma": gamma, "admission_shapes": shapes,
                         "seconds": time.perf_counter() - start})
     for name, groups in (("pool", [(prompts, budgets)]), ("fixed_chunks", chunks)):

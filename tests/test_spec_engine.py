@@ -178,7 +178,8 @@ def test_round_and_admission_update_caches_in_place(world):
     request = engine.request(PROMPTS, 8)
     pool = engine_lib.jit_empty(*params, jax.device_put(request.take([], 3, 64)), spec=engine.spec)
     slots = jax.device_put(np.arange(3, dtype=np.int32))
-    state, _ = engine_lib.jit_admit(*params, pool, jax.device_put(request), slots, spec=engine.spec)
+    fresh, _ = engine_lib.jit_prefill(*params, jax.device_put(request), spec=engine.spec)
+    state = engine_lib.jit_insert(pool, fresh, slots)
     new_state, _ = engine_lib.jit_rounds(*params, state, spec=engine.spec, num_rounds=4)
     for old in (pool, state):
         assert all(x.is_deleted() for x in old.target_cache.k + old.target_cache.v + old.draft_cache.k)

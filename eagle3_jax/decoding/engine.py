@@ -72,7 +72,8 @@ class Result:
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
 jit_empty = jax.jit(slots.empty, static_argnames=("spec",))
-jit_admit = jax.jit(slots.admit, static_argnames=("spec",), donate_argnames=("state",))
+jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",))
+jit_insert = jax.jit(slots.insert, donate_argnames=("state",))
 jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
 
 
@@ -149,7 +150,8 @@ class Engine:
 
         def admit(state, rows, slot_ids):
             self.device_events.append(("prefill", ()))
-            return jit_admit(*params, state, jax.device_put(rows), jax.device_put(slot_ids), spec=prefill_spec)
+            fresh, packed = jit_prefill(*params, jax.device_put(rows), spec=prefill_spec)
+            return jit_insert(state, fresh, jax.device_put(slot_ids)), packed
 
         return scheduler.Ops(empty=empty, admit=admit, rounds=lambda state: self._call_rounds(state, spec),
                              fetch=self._fetch)
@@ -166,7 +168,7 @@ class Engine:
 
     @property
     def spec(self) -> spec_round.StepSpec:
-        """The static configuration the jitted steps (`jit_admit`, `jit_rounds`) are compiled for when
+        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
         every row is greedy (requests with a sampled row run it with `sampling=True`)."""
         return self._spec
 
@@ -245,29 +247,26 @@ class Engine:
                                top_p=top_p, seed=seed)
         return ((e.prompt, e.tokens) for e in self._events(request) if e.tokens)
 
-    def compile(self, longest_prompt: int, *, samples: bool = False) -> int:
-        """Runs every step a full pool (max_batch slots) can run for prompts of up to `longest_prompt`
-        tokens once, on dummy rows, so that no later request of such prompts waits on XLA: each admission
-        shape (prompt bucket x rows, scheduler.admission_rows) and the call of rounds; greedy, or the
-        sampling build when `samples`. Returns how many admission shapes ran."""
-        template = self.request([[0] * longest_prompt], 1, temperature=1.0 if samples else 0.0)
+    def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False) -> int:
+        """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
+        longest_prompt tokens once, on dummy rows, so that no later request of such prompts waits on XLA:
+        each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds;
+        greedy, or the sampling build when `samples`. Returns how many prefill shapes ran."""
+        temperature = 1.0 if samples else 0.0
+        template = self.request([[0] * longest_prompt], 1, temperature=temperature)
         ops, pool = self._ops(template), self.max_batch
         state = ops.empty(pool, template)
-        shapes, bucket = set(), bucket_length(1, self.max_len)
-        while True:
-            length = min(bucket, longest_prompt)
-            rows_cap = max(self.prefill_tokens // bucket_length(length, self.max_len), 1)
-            for rows in sorted({scheduler.admission_rows(n, pool) for n in range(1, min(pool, rows_cap) + 1)}):
-                rows_request = self.request([[0] * length] * rows, 1, temperature=1.0 if samples else 0.0)
+        lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
+                          for n in range(shortest_prompt, longest_prompt + 1)})
+        shapes = 0
+        for length in lengths:
+            for rows in scheduler.admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
-                state, packed = ops.admit(state, rows_request, drop)
-                shapes.add((rows, length))
-            if length == longest_prompt:
-                break
-            bucket *= 2
+                state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature), drop)
+                shapes += 1
         state, packed = ops.rounds(state)
         ops.fetch(packed)
-        return len(shapes)
+        return shapes
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:

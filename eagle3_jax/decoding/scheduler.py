@@ -54,6 +54,13 @@ def admission_rows(count: int, pool: int) -> int:
     return min(rows, pool)
 
 
+def admission_shapes(pool: int, bucket: int, prefill_tokens: int) -> list[int]:
+    """The row counts admissions of prompts of one bucket can run (`_admission`'s rule): every
+    admission_rows(n) that one prefill of prefill_tokens holds, and 1 always."""
+    return sorted({admission_rows(n, pool) for n in range(1, pool + 1)
+                   if n == 1 or admission_rows(n, pool) * bucket <= prefill_tokens})
+
+
 def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: int, max_len: int,
         speculative: bool, prefill_tokens: int, trace: bool = False) -> Iterator[Event]:
     """Decodes every prompt of `request` through `pool` slots; yields events in the order operations ran.

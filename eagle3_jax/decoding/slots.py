@@ -3,8 +3,9 @@ free slots while the other slots keep their rows.
 
 The pool is a `DecodeState` of N rows. A free slot is a row that is done (frozen: rounds change nothing it
 owns). Admitting M prompts prefills them as a batch of M rows, exactly as a request of those prompts alone
-would, and scatters each row into its slot; entries of a slot's caches past its new length are stale and
-never read. Rows padding M up to a bucket target slot N, out of range, so their scatter is dropped.
+would (spec_round.prefill), and scatters each row into its slot (`insert`); entries of a slot's caches past
+its new length are stale and never read. Rows padding M up to a bucket target slot N, out of range, so
+their scatter is dropped.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ def empty(tparams, dparams, template: Request, *, spec: spec_round.StepSpec) -> 
     return dataclasses.replace(state, done=jnp.ones(state.done.shape, bool))
 
 
-def admit(tparams, dparams, state: spec_round.DecodeState, request: Request, slots, *,
-          spec: spec_round.StepSpec):
-    """Prefills the M rows of `request` and writes row i into slot slots[i] of the pool; a slot index >= N
-    drops its row. Returns (the pool's new state, prefill's packed first tokens [M, ...])."""
-    fresh, packed = spec_round.prefill(tparams, dparams, request, spec=spec)
-    merged = jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"), state, fresh)
-    return merged, packed
+def insert(state: spec_round.DecodeState, fresh: spec_round.DecodeState, slots) -> spec_round.DecodeState:
+    """Writes row i of `fresh` (M rows, as prefill built them) into slot slots[i] of the pool `state`; a
+    slot index >= N drops its row. Prefill is jitted apart, so its compilations serve every pool size."""
+    return jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"), state, fresh)
