@@ -69,7 +69,7 @@ def peak_bytes() -> int:
 
 def timed_streams(engine, groups) -> dict:
     """Streams each (prompts, budgets) group in turn, timing every prompt's chunks from the first start."""
-    start, first, last, gaps, tokens, accepts = time.perf_counter(), [], {}, [], 0, []
+    start, first, last, gaps, tokens = time.perf_counter(), [], {}, [], 0
     offset = 0
     for prompts, budgets in groups:
         for i, new in engine.stream(prompts, budgets):
@@ -88,7 +88,7 @@ def timed_streams(engine, groups) -> dict:
             "ttft_p50_ms": float(np.percentile(first, 50)) * ms, "ttft_p99_ms": float(np.percentile(first, 99)) * ms,
             "itl_p50_ms": float(np.percentile(gaps, 50)) * ms if gaps else None,
             "itl_p99_ms": float(np.percentile(gaps, 99)) * ms if gaps else None,
-            "peak_gib": peak_bytes() / 2**30, "accepts": accepts}
+            "peak_gib": peak_bytes() / 2**30}
 
 
 def tau_of(engine, prompts, budgets) -> float:
@@ -97,23 +97,27 @@ def tau_of(engine, prompts, budgets) -> float:
     return float(np.mean(accepts) + 1) if accepts else 1.0
 
 
-def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, max_len: int, setup) -> None:
+RUNS = ("pool", "fixed_chunks", "steady")
+
+
+def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, max_len: int, setup,
+            runs=RUNS) -> None:
     engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=max_len,
                                max_batch=pool)
     chunks = [(prompts[i : i + pool], budgets[i : i + pool]) for i in range(0, len(prompts), pool)]
-    start = time.perf_counter()
-    shapes = engine.compile(max(len(p) for p in prompts), shortest_prompt=min(len(p) for p in prompts))
-    run.add("warm_up", {"pool": pool, "gamma": gamma, "admission_shapes": shapes,
-                        "seconds": time.perf_counter() - start})
+    if {"pool", "fixed_chunks"} & set(runs):
+        start = time.perf_counter()
+        shapes = engine.compile(max(len(p) for p in prompts), shortest_prompt=min(len(p) for p in prompts))
+        run.add("warm_up", {"pool": pool, "gamma": gamma, "admission_shapes": shapes,
+                            "seconds": time.perf_counter() - start})
     for name, groups in (("pool", [(prompts, budgets)]), ("fixed_chunks", chunks)):
-        if not run.time_left(f"{name} pool={pool} gamma={gamma}"):
+        if name not in runs or not run.time_left(f"{name} pool={pool} gamma={gamma}"):
             continue
         with count_compilations() as compiles:
             row = timed_streams(engine, groups)
-        row.pop("accepts")
         run.add("pool", {"run": name, "pool": pool, "gamma": gamma, "prompts": len(prompts), **row,
                          "compilations": compiles.count})
-    if setup is None or not run.time_left(f"steady pool={pool} gamma={gamma}"):
+    if setup is None or "steady" not in runs or not run.time_left(f"steady pool={pool} gamma={gamma}"):
         return
     tau = tau_of(engine, prompts[:pool], budgets[:pool]) if gamma else 1.0
     length = int(np.mean([len(p) for p in prompts]) + np.mean(budgets) / 2)
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gammas", type=int, nargs="+", default=[0, 3])
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 2048])
     parser.add_argument("--budgets", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--budget-s", type=float, default=1e9, help="no new measurement starts after this")
     args = parser.parse_args(argv)
     if args.prompts < 1 or min(args.pools) < 1 or min(args.gammas) < 0 or min(args.lengths + args.budgets) < 1:
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                             "budgets": args.budgets, "max_len": max_len, "tokens_to_generate": int(sum(budgets))})
     for gamma in args.gammas:
         for pool in args.pools:
-            measure(run, target, drafter, prompts, budgets, pool, gamma, max_len, setup)
+            measure(run, target, drafter, prompts, budgets, pool, gamma, max_len, setup, args.runs)
     print(json.dumps(run.results, indent=1, default=str))
     return 0
 
