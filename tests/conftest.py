@@ -1,5 +1,9 @@
+import gc
 import importlib.metadata
 import os
+from pathlib import Path
+
+import pytest
 
 # The suite runs on the CPU in float32 (Pallas kernels in interpret mode); `pytest -m gpu` runs the GPU
 # checks (tests/test_gpu.py) on the machine's GPU instead.
@@ -23,3 +27,24 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Each executable XLA:CPU compiles keeps its own memory mappings, and jax keeps every executable: a worker that runs
+# many test files can pass the kernel's mapping limit (vm.max_map_count, 65530 by default), and XLA then crashes in
+# its next compile (a segfault). Between test files, jax's caches are cleared once a worker holds more than half the
+# limit, which frees their mappings; below that, later files keep reusing earlier compilations.
+_MAPS = Path("/proc/self/maps")
+_MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_mappings():
+    yield
+    if _MAPS.exists() and _MAP_LIMIT.exists():
+        with _MAPS.open() as maps:
+            count = sum(1 for _ in maps)
+        if count > int(_MAP_LIMIT.read_text()) // 2:
+            import jax
+
+            jax.clear_caches()
+            gc.collect()
