@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, help="makes a sampled regeneration repeatable")
     regen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     regen.set_defaults(func=_regenerate)
-    # Sub-commands from outside the library (benchmarks/) take their own arguments: `eagle3-jax bench --help`.
+    # Sub-commands from outside the library (eagle3_jax_bench/) take their own arguments: `eagle3-jax bench --help`.
     for name in _plugin_commands():
         sub.add_parser(name, help=f"{name} (from the installed '{_PLUGIN_GROUP}' entry points)", add_help=False)
     return parser

@@ -29,7 +29,7 @@ swizzled shared-memory refs are unsupported there). So:
   and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks
   (`make test` runs these tests under jax 0.10.2 and again under the GPU image's 0.11.2, whose
   lowering differs and can fail where 0.10.2's succeeds);
-- on the GPU, tests/test_gpu.py (`pytest -m gpu`) and benchmarks/bench_attention.py's
+- on the GPU, tests/test_gpu.py (`pytest -m gpu`) and eagle3_jax_bench/attention.py's
   `mosaic_check` compare the kernel with
   attention_reference (token tails, start > 0 and differing within a batch, a prompt overflowing
   the cache, GQA 1 to 8, head_dim 64 and 128), and its `prefill` section times it against the

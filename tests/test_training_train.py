@@ -272,6 +272,16 @@ def test_cli_train_interrupted_outside_the_loop_says_so_without_a_traceback(worl
                                        "(--resume continues)\n")
 
 
+def test_overwrite_never_clears_a_folder_that_is_not_a_run(tmp_path):
+    """A model folder typed as --out (config.json, model.safetensors, no run record or checkpoints) is refused
+    by --overwrite, and nothing in it is touched."""
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(ValueError, match=r"holds config.json, model.safetensors but no run.json or checkpoints/"):
+        loop.check_reuse(tmp_path, resume=False, overwrite=True, files=trainer.RUN_FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_out_holding_a_run_is_refused_unless_resumed_or_overwritten(world, straight, tmp_path):
     """Another run into a run's folder is refused, and so is --resume with other settings, each difference
     named, before any device work and touching nothing; --overwrite removes the old run's files (its checkpoint

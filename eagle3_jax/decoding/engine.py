@@ -192,7 +192,8 @@ class Engine:
         from the target's distribution filtered as transformers' generate does (temperature, then top-k,
         then top-p; top_k 0 and top_p 1 mean no filter). seed None draws fresh entropy; an int in
         [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
-        settings and seed give the same tokens whatever the other rows and whichever slot it runs in.
+        settings and seed give the same tokens whatever the other rows and whichever slot it runs in (in
+        16-bit, other rows change a step's shapes, which can move a near-tie: docs/exactness.md).
         Bad values raise ValueError before any device work.
         Every token id, max_new_tokens, stop id, top_k and seed is an int (a numpy integer too; not a bool,
         not a float); a prompt is a list or tuple of them or a 1-D integer array, and prompts may be a 2-D
@@ -249,7 +250,8 @@ class Engine:
 
     def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False) -> int:
         """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
-        longest_prompt tokens once, on dummy rows, so that no later request of such prompts waits on XLA:
+        longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
+        waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
         each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds;
         greedy, or the sampling build when `samples`. Returns how many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0

@@ -53,6 +53,10 @@ def check_reuse(out_dir: Path, resume: bool, overwrite: bool, files: tuple[str, 
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue the run in the folder, or replace it")
     present = [name for name in files if (out_dir / name).exists()]
+    if overwrite and present and not {"run.json", "checkpoints"} & set(present):
+        # A folder with a model's files but no run record or checkpoints (a model folder typed as --out, say).
+        raise ValueError(f"{out_dir} holds {', '.join(present)} but no run.json or checkpoints/: not a training "
+                         "run, so --overwrite removes nothing there; train into another folder")
     if present and not (resume or overwrite):
         raise ValueError(f"{out_dir} already holds a run ({', '.join(present)}): continue it with --resume "
                          "(the same settings) or replace it with --overwrite")
