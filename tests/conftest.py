@@ -31,7 +31,7 @@ def pytest_configure(config):
 
 # Each executable XLA:CPU compiles keeps its own memory mappings, and jax keeps every executable: a worker that runs
 # many test files can pass the kernel's mapping limit (vm.max_map_count, 65530 by default), and XLA then crashes in
-# its next compile (a segfault). Between test files, jax's caches are cleared once a worker holds more than half the
+# its next compile (a segfault). Between test files, jax's caches are cleared once a worker holds more than 3/4 of the
 # limit, which frees their mappings; below that, later files keep reusing earlier compilations.
 _MAPS = Path("/proc/self/maps")
 _MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
@@ -43,7 +43,7 @@ def _bounded_memory_mappings():
     if _MAPS.exists() and _MAP_LIMIT.exists():
         with _MAPS.open() as maps:
             count = sum(1 for _ in maps)
-        if count > int(_MAP_LIMIT.read_text()) // 2:
+        if count > 3 * int(_MAP_LIMIT.read_text()) // 4:
             import jax
 
             jax.clear_caches()
