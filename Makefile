@@ -29,7 +29,7 @@ demo: $(STAMP)
 # so a module's fixtures are built once); pytest's last line gives its time, --durations the slowest tests.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 3 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 	$(MAKE) --no-print-directory test-gpu-jax
 
 $(GPU_JAX_STAMP): Makefile  # the venv's pins are here

@@ -65,7 +65,22 @@ def test_every_prompt_equals_its_output_alone(world, reference, gamma):
     for r in got:  # each round emits its committed drafts and one more, but a round cut short: that one at most
         emitted = sum(a + 1 for a in r.accept_lengths)
         assert len(r.token_ids) - 1 in (emitted, emitted - 1) if gamma else r.accept_lengths == []
-    assert [kind for kind, _ in engine.device_events].count("allocate") == 1
+    # The first admission fills the pool and its prefill's state is the pool's: nothing else is allocated, and
+    # 12 prompts through 3 slots take at least 4 admissions.
+    kinds = [kind for kind, _ in engine.device_events]
+    assert kinds.count("allocate") == 0 and kinds.count("prefill") >= 4
+
+
+def test_admissions_of_one_prompt_into_a_pool_allocated_free(world, reference):
+    """prefill_tokens of one bucket: every admission is one prompt, so the pool is allocated free first and
+    each prompt is written into its slot; the outputs are unchanged."""
+    target, drafter = world["random"]
+    prompts, budgets, stops, expected = reference
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=POOL,
+                               prefill_tokens=16)
+    assert [r.token_ids for r in engine.generate(prompts, budgets, stops)] == [r.token_ids for r in expected]
+    kinds = [kind for kind, _ in engine.device_events]
+    assert kinds.count("allocate") == 1 and kinds.count("prefill") == len(prompts)
 
 
 def test_stops_inside_accepted_spans_through_refills(world):

@@ -151,7 +151,7 @@ class Engine:
         def admit(state, rows, slot_ids):
             self.device_events.append(("prefill", ()))
             fresh, packed = jit_prefill(*params, jax.device_put(rows), spec=prefill_spec)
-            return jit_insert(state, fresh, jax.device_put(slot_ids)), packed
+            return (fresh if state is None else jit_insert(state, fresh, jax.device_put(slot_ids))), packed
 
         return scheduler.Ops(empty=empty, admit=admit, rounds=lambda state: self._call_rounds(state, spec),
                              fetch=self._fetch)

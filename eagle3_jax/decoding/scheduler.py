@@ -40,7 +40,9 @@ class Ops:
     """The engine's device operations, each dispatched asynchronously but `fetch`."""
 
     empty: Callable  # (rows, request) -> state of `rows` free slots built for the request's widths
-    admit: Callable  # (state, request, slots) -> (state, packed first tokens)
+    # (state, request, slots) -> (state, packed first tokens); state None: the request fills the pool in slot order,
+    # and its prefill's state is the pool's
+    admit: Callable
     rounds: Callable  # (state) -> (state, packed rounds [R, N, ...])
     fetch: Callable  # (packed) -> np.ndarray, the one transfer of an operation
 
@@ -71,7 +73,7 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
     left = request.budget(max_len).astype(np.int64)  # tokens each prompt may still emit
     # (kind, packed, (the prompt of each output row at dispatch, its slot))
     queue: collections.deque = collections.deque()
-    state = ops.empty(pool, request)
+    state = None  # the pool's state: the first admission's, when it fills every slot, else allocated free
     next_prompt = 0
     most_per_call = rounds_per_call * (gamma + 1)
 
@@ -83,6 +85,8 @@ def run(ops: Ops, request: Request, pool: int, *, gamma: int, rounds_per_call: i
             rows = admission_rows(len(take), pool)
             slots = np.full((rows,), pool, np.int32)  # padding rows go to slot `pool`: dropped
             slots[: len(take)] = free[: len(take)]
+            if state is None and len(take) < pool:
+                state = ops.empty(pool, request)
             state, packed = ops.admit(state, request.take(take, rows, max_len), slots)
             owner[free[: len(take)]] = take
             queue.append(("admit", packed, (np.array(take), free[: len(take)])))
