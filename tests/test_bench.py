@@ -230,3 +230,17 @@ def test_presets_have_the_published_parameter_counts():
     assert presets.pair("qwen3-30b-a3b")[0].moe.num_experts == 128
     with pytest.raises(ValueError, match="unknown model preset 'qwen3-9b'; presets: qwen3-1.7b, qwen3-8b"):
         presets.pair("qwen3-9b")
+
+
+def test_pool_bench_dry_run(tmp_path):
+    """The continuous-batching bench at tiny shapes: a pool and fixed chunks over the same prompts emit the same
+    tokens, Engine.compile leaves the timed runs nothing to compile, and the steady-state row is written."""
+    from eagle3_jax_bench import pool
+
+    assert pool.main(["--out", str(tmp_path), "--model", "tiny", "--prompts", "8", "--pools", "2", "--gammas", "0",
+                      "--lengths", "4", "20", "--budgets", "2", "6"]) == 0
+    results = json.loads((tmp_path / "pool_bench.json").read_text())
+    runs = {r["run"]: r for r in results["pool"]}
+    assert set(runs) == {"pool", "fixed_chunks"} and runs["pool"]["tokens"] == runs["fixed_chunks"]["tokens"] > 8
+    assert all(r["compilations"] == 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in runs.values())
+    assert results["steady"][0]["tokens_per_s"] > 0
