@@ -10,7 +10,7 @@ step, and never computing all E experts:
     choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
   * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
     (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
-    weights a grouped GEMM streams is its lowering's business: issue 20's H200 probe put XLA's near the
+    weights a grouped GEMM streams is its lowering's business: an H200 probe (BENCHMARKS.md) put XLA's near the
     cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
     113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times both, and others.
 `moe_mlp` picks one by the static token count M = B T. `moe_reference` (all experts, dense) is the tests'
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from eagle3_jax.models.config import MoeConfig
 
 # At most this many tokens per step take the gathered path. An H200 probe at Qwen3-30B-A3B shapes
-# (issue 20: random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
+# (random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
 # tokens (4.4 / 11.4 ms against 15.9 / 17.3) and slower from 8 (20.7 against 18.2).
 GATHER_MAX_TOKENS = 4
 
