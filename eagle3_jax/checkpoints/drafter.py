@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io
+from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io, sharded
 from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.errors import CheckpointError
@@ -242,8 +242,13 @@ def _params(cfg: DrafterConfig, layout: _Layout, weights: dict[str, np.ndarray],
 
 
 def load_drafter(path: str | Path, target: Target, dtype: str = "bfloat16") -> Drafter:
-    """Loads an EAGLE-3 drafter for `target` (Hugging Face formats above, or a `convert_drafter` folder)."""
-    folder = Path(path)
+    """Loads an EAGLE-3 drafter for `target` (Hugging Face formats above, or a `convert_drafter` folder),
+    on the target's tensor-parallel mesh when it has one (replicated: checkpoints/sharded.py)."""
+    drafter = _load(Path(path), target, dtype)
+    return drafter if target.mesh is None else sharded.shard_drafter(drafter, target.config, target.mesh)
+
+
+def _load(folder: Path, target: Target, dtype: str) -> Drafter:
     jdtype = check_dtype(dtype)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: drafter folder not found")

@@ -5,6 +5,9 @@ A Qwen3-MoE checkpoint stores its experts either per expert (the hub's layout,
 `mlp.experts.{e}.{gate,up,down}_proj.weight`, which transformers 5 still writes on save) or fused
 (transformers 5's in-memory layout, `mlp.experts.gate_up_proj [E, 2I, D]` and `mlp.experts.down_proj
 [E, D, I]`); both load, layer by layer, into the fused layout.
+
+With a tensor-parallel mesh (`mesh=`, parallel/mesh.py) each device's shard is read straight from the files
+(checkpoints/sharded.py).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io
+from eagle3_jax.checkpoints import hf_layout, orbax_io, safetensors_io, sharded
 from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models import weights as weights_lib
 from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.parallel import layout as tp_layout
+from eagle3_jax.parallel.mesh import mesh_size
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "generation_config.json")
@@ -28,19 +34,27 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A loaded target: its config, its parameters on the device, and the folder it came from."""
+    """A loaded target: its config, its parameters on the device (or sharded over `mesh`, laid out by
+    parallel/layout.py), and the folder it came from."""
 
     config: Qwen3Config
     params: dict
     folder: Path
+    mesh: Mesh | None = None
 
 
-def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True) -> Target:
-    """Loads a Qwen3 target from a Hugging Face folder or an orbax folder written by `convert`."""
+def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True, mesh: Mesh | None = None) -> Target:
+    """Loads a Qwen3 target from a Hugging Face folder or an orbax folder written by `convert`; with a
+    tensor-parallel `mesh`, from a Hugging Face folder straight to the shards (a tp that does not split the
+    target is refused before anything is read)."""
     folder = Path(path)
     jdtype = check_dtype(dtype)
     cfg = Qwen3Config.from_dict(read_json(folder / "config.json"), where=str(folder / "config.json"))
+    placements = None if mesh is None else tp_layout.target_placements(cfg, mesh_size(mesh))
     if (folder / orbax_io.ORBAX_MARKER).exists():
+        if mesh is not None:
+            raise CheckpointError(f"{folder}: an orbax conversion loads on one device; a mesh needs the Hugging "
+                                  "Face folder")
         return Target(cfg, _load_orbax(folder, cfg, jdtype), folder)
     files = safetensors_io.weight_map(folder)
     layout = hf_layout.plan(weights_lib.target_weights(cfg), files)
@@ -49,6 +63,9 @@ def load_target(path: str | Path, dtype: str = "bfloat16", progress: bool = True
     # A tied checkpoint may still hold the lm_head that transformers ties to the embedding and never reads.
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     refuse_unused(folder, files, {*expected, *tied})
+    if mesh is not None:
+        with sharded.from_files(files, layout) as blocks:
+            return Target(cfg, sharded.place_tree(placements, mesh, blocks, jdtype), folder, mesh)
     loaded: dict[str, jax.Array] = {}
 
     def put(name: str, array: np.ndarray) -> None:

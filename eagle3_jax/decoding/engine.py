@@ -13,6 +13,8 @@ Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one
 values never recompile. An Engine has two builds of its steps: the greedy one, which a request whose rows
 are all greedy runs (no sampling work at all), and the sampling one, which runs any request with
 a sampled row and handles greedy rows beside them. Each compiles once, when first needed.
+
+With a tensor-parallel mesh (`Engine(mesh=...)`) the same steps run as shard_maps over it (parallel/steps.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import scheduler, slots, spec_round
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.parallel import steps as parallel_steps
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
 PROPOSALS = ("argmax", "sample")
@@ -75,6 +78,8 @@ jit_empty = jax.jit(slots.empty, static_argnames=("spec",))
 jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",))
 jit_insert = jax.jit(slots.insert, donate_argnames=("state",))
 jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
+ONE_DEVICE = parallel_steps.Steps(jit_empty, jit_prefill, jit_insert, jit_rounds, put=jax.device_put,
+                                  fetch=jax.device_get)
 
 
 class Engine:
@@ -85,7 +90,7 @@ class Engine:
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, mesh=None):
         """max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
         max_position_embeddings)).
         rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
@@ -103,7 +108,13 @@ class Engine:
         fewer). None: as many as fit (`pool_capacity`), at most MAX_DEFAULT_BATCH; a pool that cannot fit is
         refused here, before anything is allocated.
         prefill_tokens: the most padded prompt tokens (rows x prompt bucket) one admission prefills at once,
-        which bounds prefill's working memory; a longer prompt is still prefilled, alone."""
+        which bounds prefill's working memory; a longer prompt is still prefilled, alone.
+        mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md), or None for one
+        device. A target and drafter not yet on it are placed there (the caller's unsharded copies stay
+        where they are); a tp that does not split the target is refused, naming the sizes."""
+        self._steps = ONE_DEVICE
+        if mesh is not None:
+            target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
         cfg = target.config
         max_len = _check_sizes(cfg, drafter is not None, num_draft_tokens, max_len, rounds_per_call)
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
@@ -112,8 +123,9 @@ class Engine:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         _check_exact(cfg, exact)
         self.target, self.drafter, self.max_len = target, drafter, max_len
-        self.max_batch = _check_pool(max_batch, pool_capacity(target, drafter, max_len),
-                                     slot_bytes(target, drafter, max_len))
+        per_device = target if mesh is None else parallel_steps.per_device_target(target)
+        self.max_batch = _check_pool(max_batch, pool_capacity(per_device, drafter, max_len),
+                                     slot_bytes(per_device, drafter, max_len))
         self._rounds_per_call = int(rounds_per_call)
         if not is_int(prefill_tokens) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
@@ -127,6 +139,8 @@ class Engine:
             kernels=kernels,
             exact=exact,
         )
+        if mesh is not None:
+            self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
         # Without a drafter there is nothing to propose: one sampling build for either choice.
         self._sampling_spec = dataclasses.replace(self._spec, sampling=True,
                                                   proposal=proposal if drafter is not None else DEFAULT_PROPOSAL)
@@ -142,16 +156,16 @@ class Engine:
         """The device operations of a request's build, each recorded in `device_events`."""
         spec = self._build(request)
         prefill_spec = self._sampling_prefill_spec if request.samples else self._spec
-        params = (self.target.params, self._draft_params)
+        params, steps = (self.target.params, self._draft_params), self._steps
 
         def empty(rows, template):
             self.device_events.append(("allocate", (rows,)))
-            return jit_empty(*params, jax.device_put(template.take([], rows, self.max_len)), spec=prefill_spec)
+            return steps.empty(*params, steps.put(template.take([], rows, self.max_len)), spec=prefill_spec)
 
         def admit(state, rows, slot_ids):
             self.device_events.append(("prefill", ()))
-            fresh, packed = jit_prefill(*params, jax.device_put(rows), spec=prefill_spec)
-            return (fresh if state is None else jit_insert(state, fresh, jax.device_put(slot_ids))), packed
+            fresh, packed = steps.prefill(*params, steps.put(rows), spec=prefill_spec)
+            return (fresh if state is None else steps.insert(state, fresh, steps.put(slot_ids))), packed
 
         return scheduler.Ops(empty=empty, admit=admit, rounds=lambda state: self._call_rounds(state, spec),
                              fetch=self._fetch)
@@ -159,12 +173,13 @@ class Engine:
     def _call_rounds(self, state, spec: spec_round.StepSpec):
         """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
         self.device_events.append(("call", (self._rounds_per_call,)))
-        return jit_rounds(self.target.params, self._draft_params, state, spec=spec, num_rounds=self._rounds_per_call)
+        return self._steps.rounds(self.target.params, self._draft_params, state, spec=spec,
+                                  num_rounds=self._rounds_per_call)
 
     def _fetch(self, packed: jax.Array) -> np.ndarray:
         """The engine's only device-to-host transfer: one int32 array per call (prefill, or a call of rounds)."""
         self.device_events.append(("transfer", tuple(packed.shape)))
-        return jax.device_get(packed)
+        return self._steps.fetch(packed)
 
     @property
     def spec(self) -> spec_round.StepSpec:

@@ -19,6 +19,12 @@ cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps 
 their place in `torch.sort`'s output, which is not stable. Here the tied tokens are ordered by id, as a
 stable sort would (higher ids last, so kept first). The kept probability mass is transformers' exactly;
 which of the equal-logit tokens carry it is defined by their ids rather than by torch's sorting internals.
+
+Tensor parallelism. Every reduction over the vocabulary goes through a `Vocab` (parallel/collectives.py):
+the whole row on one device (`FULL`, plain jnp), or each device's slice of the vocabulary with the counts,
+sums, maxima and argmaxima combined across devices. The radix search's counts and sums are then over the
+whole vocabulary, so the cuts are the unsharded ones, and a draw adds to each id the Gumbel noise it gets
+unsharded: the same token for the same seed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from eagle3_jax.parallel.collectives import FULL, Vocab
 
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
@@ -56,14 +64,15 @@ class Filtered:
     and total the sum of exp(logit - top) over the kept tokens, so the filtered distribution needs one
     elementwise pass over the row (`probs`)."""
 
-    logits: jax.Array  # [R, V] float32, tempered
+    logits: jax.Array  # [R, V] float32, tempered (this device's slice of the vocabulary under `vocab`)
     cut: jax.Array  # [R] float32
     tie_id: jax.Array  # [R] int32
     top: jax.Array  # [R] float32
     total: jax.Array  # [R] float32
+    vocab: Vocab = dataclasses.field(default=FULL, metadata=dict(static=True))
 
     def keep(self) -> jax.Array:
-        ids = jnp.arange(self.logits.shape[-1], dtype=jnp.int32)
+        ids = self.vocab.ids(self.logits.shape[-1])
         at_cut = (self.logits == self.cut[:, None]) & (ids >= self.tie_id[:, None])
         return (self.logits > self.cut[:, None]) | at_cut
 
@@ -81,7 +90,7 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _largest_threshold(keys, weights, target) -> jax.Array:
+def _largest_threshold(keys, weights, target, vocab: Vocab = FULL) -> jax.Array:
     """Per row, the largest uint32 T with sum(weights where keys >= T) >= target; 0 when no T
     qualifies. keys [R, V] uint32, weights [R, V] (nonnegative), target [R].
 
@@ -94,7 +103,7 @@ def _largest_threshold(keys, weights, target) -> jax.Array:
     def one_pass(i, prefix):
         shift = ((passes - 1 - i) * _DIGIT_BITS).astype(jnp.uint32)
         candidates = prefix[:, None] | (digits << shift)  # [R, 16]
-        mass = jnp.sum(jnp.where(keys[:, None, :] >= candidates[:, :, None], weights[:, None, :], 0), axis=-1)
+        mass = vocab.sum(jnp.where(keys[:, None, :] >= candidates[:, :, None], weights[:, None, :], 0))
         qualifying = jnp.sum(mass >= target[:, None], axis=-1)  # the candidates that qualify: 0 .. n - 1
         return prefix | (jnp.maximum(qualifying - 1, 0).astype(jnp.uint32) << shift)
 
@@ -103,15 +112,15 @@ def _largest_threshold(keys, weights, target) -> jax.Array:
     return prefix
 
 
-def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+def top_k_mask(logits: jax.Array, top_k: jax.Array, vocab: Vocab = FULL) -> jax.Array:
     """logits [R, V], top_k [R] -> bool [R, V]: the tokens at or above the k-th largest logit (all of a tie
     at the k-th value, as transformers keeps them); everything when top_k is 0 or >= V."""
     keys = _order_keys(logits)
-    kth = _largest_threshold(keys, jnp.ones(keys.shape, jnp.int32), top_k)
+    kth = _largest_threshold(keys, jnp.ones(keys.shape, jnp.int32), top_k, vocab)
     return (keys >= kth[:, None]) | (top_k[:, None] <= 0)
 
 
-def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array, vocab: Vocab = FULL) -> jax.Array:
     """logits [R, V] (tempered, top-k filtered to -inf), their softmax probs, top_p [R] -> bool [R, V].
 
     In the order of a stable ascending sort of the logits, token i is kept when the probability after it
@@ -121,30 +130,31 @@ def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arr
     at it (equal logits, so equal probabilities) those with the highest ids are kept while the mass after
     them stays < top_p: a count of the tied tokens with a higher id, one cumulative sum over the row."""
     keys = _order_keys(logits)
-    cut = _largest_threshold(keys, probs, top_p)
+    cut = _largest_threshold(keys, probs, top_p, vocab)
     above = keys > cut[:, None]
     tied = keys == cut[:, None]
-    above_mass = jnp.sum(jnp.where(above, probs, 0), axis=-1, keepdims=True)
-    tied_after = jnp.sum(tied, axis=-1, keepdims=True) - jnp.cumsum(tied, axis=-1)  # tied tokens of higher id
-    tied_p = jnp.max(jnp.where(tied, probs, 0), axis=-1, keepdims=True)
+    above_mass = vocab.sum(jnp.where(above, probs, 0), keepdims=True)
+    tied_after = vocab.count_after(tied)  # tied tokens of higher id
+    tied_p = vocab.max(jnp.where(tied, probs, 0), keepdims=True)
     keep = above | (tied & (above_mass + tied_after * tied_p < top_p[:, None]))
     return keep | (top_p[:, None] >= 1)
 
 
-def _radix_filter(x, top_k, top_p):
+def _radix_filter(x, top_k, top_p, vocab: Vocab):
     """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches."""
-    keep_k = top_k_mask(x, top_k)
+    keep_k = top_k_mask(x, top_k, vocab)
     x_k = jnp.where(keep_k, x, -jnp.inf)
-    keep = keep_k & top_p_mask(x_k, jax.nn.softmax(x_k, axis=-1), top_p)
+    keep = keep_k & top_p_mask(x_k, vocab.softmax(x_k), top_p, vocab)
     # The kept set is every token above its lowest kept logit and the highest ids at it.
-    cut = jnp.min(jnp.where(keep, x, jnp.inf), axis=-1)
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    tie_id = jnp.min(jnp.where(keep & (x == cut[:, None]), ids, _NO_TIE), axis=-1)
-    top = jnp.max(x, axis=-1)
-    return cut, tie_id, top, jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0), axis=-1)
+    cut = vocab.min(jnp.where(keep, x, jnp.inf))
+    ids = vocab.ids(x.shape[-1])
+    tie_id = vocab.min(jnp.where(keep & (x == cut[:, None]), ids, _NO_TIE))
+    top = vocab.max(x)
+    return cut, tie_id, top, vocab.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0))
 
 
-def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Filtered:
+def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                vocab: Vocab = FULL) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
     the tempered distribution (transformers' order). A greedy row (temperature 0) is filtered at
     temperature 1; its result is not used."""
@@ -153,21 +163,26 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
     # taken from one copy could miss its own token in another.
     x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
-    return Filtered(x, *_radix_filter(x, top_k, top_p))
+    return Filtered(x, *_radix_filter(x, top_k, top_p, vocab), vocab=vocab)
 
 
-def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   vocab: Vocab = FULL) -> jax.Array:
     """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]
     (`filter_rows`)."""
     shape = logits.shape
     t, k, p = (jnp.broadcast_to(x, shape[:-1]).reshape(-1) for x in (temperature, top_k, top_p))
-    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p).probs().reshape(shape)
+    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p, vocab).probs().reshape(shape)
 
 
-def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int, vocab: Vocab = FULL) -> jax.Array:
     """A distribution over a subset of the vocabulary, probs [..., Vd] over token ids [Vd] (distinct), as a
-    distribution over the whole vocabulary [..., vocab_size]: the other tokens get probability 0."""
-    return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., ids].set(probs)
+    distribution over the whole vocabulary [..., vocab_size] (this device's slice of it under `vocab`): the
+    other tokens get probability 0."""
+    if vocab.shards is None:
+        return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., ids].set(probs)
+    local = vocab.local_index(ids, vocab_size)
+    return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., local].set(probs, mode="drop")
 
 
 # ----------------------------------------------------------------------------- randomness
@@ -185,9 +200,9 @@ def _fold(keys: jax.Array, data: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, data))(keys)
 
 
-def categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+def categorical(keys: jax.Array, probs: jax.Array, vocab: Vocab = FULL) -> jax.Array:
     """One token per row from probs [B, V] (unnormalised weights are fine): Gumbel-max, on the device."""
-    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
+    return jax.vmap(lambda k, p: vocab.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
 def draft_key(keys: jax.Array, step: int | jax.Array) -> jax.Array:
@@ -210,7 +225,7 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
-           q_ids: jax.Array | None = None):
+           q_ids: jax.Array | None = None, vocab: Vocab = FULL):
     """Speculative sampling for one round of B rows (Leviathan et al., Chen et al.).
 
     p [B, G + 1, V]: the target's filtered distribution after each of [x_n, d_1 .. d_G]; drafts [B, G]
@@ -221,16 +236,17 @@ def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax
     samples from normalise(max(p - q, 0)) there; when every considered draft is accepted (all G, or the
     room's worth) the next token comes from p. Lossless for any q: each emitted token is distributed as p.
     Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled token, then padding).
+    Under a sharded `vocab`, p (and q when q_ids is None) hold this device's slice of the vocabulary.
     """
     B, G = drafts.shape
     V = p.shape[-1]
     rows = jnp.arange(B)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
-    p_x = jnp.take_along_axis(p[:, :G], drafts[:, :, None], axis=-1)[..., 0]
+    p_x = vocab.take(p[:, :G], drafts)
     if q is None:
         q_x = jnp.ones_like(p_x)
     elif q_ids is None:
-        q_x = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
+        q_x = vocab.take(q, drafts)
     else:
         q_x = jnp.sum(jnp.where(q_ids == drafts[:, :, None], q, 0.0), axis=-1)
     leading = jnp.sum(jnp.cumprod(accept(u, p_x, q_x).astype(jnp.int32), axis=1), axis=1)
@@ -242,21 +258,21 @@ def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax
     if G == 0:
         q_a = jnp.zeros_like(p_a)
     elif q is None:
-        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p.dtype)
+        q_a = jax.nn.one_hot(vocab.local_index(drafts[rows, judged], V), V, dtype=p.dtype)
     elif q_ids is None:
         q_a = q[rows, judged]
     else:
-        q_a = on_vocabulary(q[rows, judged], q_ids, V)
+        q_a = on_vocabulary(q[rows, judged], q_ids, V, vocab)
     left = residual(p_a, q_a)
     # p == q up to rounding makes a rejection (nearly) impossible and the residual empty: sample p then.
-    left = jnp.where(jnp.sum(left, axis=-1, keepdims=True) > 0, left, p_a)
-    final = categorical(_fold(keys, _FINAL), jnp.where(rejected[:, None], left, p_a))
+    left = jnp.where(vocab.sum(left, keepdims=True) > 0, left, p_a)
+    final = categorical(_fold(keys, _FINAL), jnp.where(rejected[:, None], left, p_a), vocab)
     idx = jnp.arange(G + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(idx < accepted[:, None], padded, jnp.where(idx == accepted[:, None], final[:, None], 0))
     return accepted, tokens
 
 
-def first_token(keys, probs: jax.Array) -> jax.Array:
+def first_token(keys, probs: jax.Array, vocab: Vocab = FULL) -> jax.Array:
     """Prefill's token: a plain draw from the filtered distribution probs [B, V]."""
-    return categorical(_fold(keys, _FINAL), probs)
+    return categorical(_fold(keys, _FINAL), probs, vocab)

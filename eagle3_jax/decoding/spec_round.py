@@ -12,6 +12,11 @@ A round with gamma = 0 and no drafter is a plain decoding step.
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
 settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
 tokens as the greedy build), and the others sample losslessly (decoding/sampling.py).
+
+Under tensor parallelism (`StepSpec.tp`) these functions run on each device inside a shard_map
+(parallel/steps.py), `StepSpec.target` being the per-device config: the target's logits are the device's
+slice of the vocabulary, and every choice over them (argmax, filters, draws) goes through `_vocab(spec)`,
+which combines the slices; the drafter and everything else is replicated, computed alike on every device.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.eagle3 import DrafterConfig
 from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.parallel.collectives import Shards, Vocab
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +66,8 @@ class StepSpec:
     # The target's decode and verify steps on the EXACT kernels: a token's logits are bit-identical
     # whether it is verified among gamma + 1 or decoded alone (eagle3_jax/models/kernels.py).
     exact: bool = False
+    # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
+    tp: Shards | None = None
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -69,6 +77,11 @@ class StepSpec:
     def step_kernels(self) -> str:
         """The kernels of the target's decode/verify steps (prefill and the drafter run `kernels`)."""
         return kernels_lib.EXACT if self.exact else self.kernels
+
+
+def _vocab(spec: StepSpec) -> Vocab:
+    """Reductions over the target's logits: whole, or this device's slice of the vocabulary."""
+    return Vocab(spec.tp)
 
 
 def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
@@ -96,14 +109,16 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
     B, Tp = tokens.shape
     dtype = tparams["embed"].dtype
     cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
-    hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels)
+    hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels,
+                                                 spec.tp)
     rows = jnp.arange(B)
     logits = target_lib.logits(tparams, hidden[rows, prompt_lengths - 1])
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = _vocab(spec)
+    first = vocab.argmax(logits)
     if spec.sampling:
         s = sampling
-        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
-        drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs)
+        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab)
+        drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
     draft_cache = draft_hidden = None
     if spec.drafter is not None:
@@ -113,7 +128,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         draft_cache = drafter_lib.new_cache(spec.drafter, B, spec.max_len, dtype)
         embed = dparams.get("embed", tparams["embed"])
         h = drafter_lib.project_features(dparams, spec.drafter, features)
-        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels)
+        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels, spec.tp)
         draft_hidden = out[rows, prompt_lengths - 1]
         draft_cache = draft_cache.with_lengths(prompt_lengths)
     zeros = jnp.zeros((B,), jnp.int32)
@@ -148,7 +163,7 @@ def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
     embed = dparams.get("embed", tparams["embed"])
     args = (dparams, spec.drafter, embed, state.draft_hidden, state.draft_cache, spec.gamma, spec.kernels)
     if not (spec.sampling and spec.proposal == "sample"):
-        drafts, cache = drafter_lib.draft_chain(*args)
+        drafts, cache = drafter_lib.draft_chain(*args, tp=spec.tp)
         return drafts, None, cache
     s = state.sampling
 
@@ -157,24 +172,25 @@ def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
         drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
         return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
 
-    return drafter_lib.draft_chain(*args, propose=propose)
+    return drafter_lib.draft_chain(*args, propose=propose, tp=spec.tp)
 
 
 def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, spec: StepSpec):
     """The target's side of a round: (choices [B, G + 1], accepted [B]). Greedy rows: choices are the
     argmax after each of [x_n, d_1 .. d_G] and the drafts are accepted while they match. Sampled rows
     (a sampling build): the accepted drafts, then the token sampled after them, then the argmax."""
-    choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = _vocab(spec)
+    choices = vocab.argmax(logits)
     accepted = _accept(drafts, choices, room)
     if not spec.sampling:
         return choices, accepted
     s = state.sampling
-    p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None])
+    p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None], vocab)
     # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
     # 0 for every other target token.
     draft_ids = (None if draft_q is None
                  else drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size)))
-    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids)
+    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids, vocab)
     drawn = jnp.where(jnp.arange(spec.gamma + 1)[None, :] > drawn_accepted[:, None], choices, drawn)
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 
@@ -197,7 +213,7 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
         hidden, tcache, features = target_lib.forward(
-            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.step_kernels
+            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.step_kernels, spec.tp
         )
         # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
         logits = target_lib.logits(tparams, hidden, spec.step_kernels)
@@ -219,7 +235,8 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
             # The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted
             # are the newly committed pairs; the drafter's own speculative entries are overwritten.
             h = drafter_lib.project_features(dparams, spec.drafter, features)
-            out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, choices, draft_cache, spec.kernels)
+            out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, choices, draft_cache, spec.kernels,
+                                                   spec.tp)
         new_state = dataclasses.replace(
             new_state,
             draft_cache=draft_cache.with_lengths(new_length),

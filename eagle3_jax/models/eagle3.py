@@ -2,7 +2,8 @@
 
 Parameters: a dict pytree described in models/weights.py (`drafter_weights`), weights [out, in] as
 transformers stores them; d2t maps draft ids to target ids by offset; embed is optional (else the
-target's is used).
+target's is used). Under tensor parallelism (`tp`) the drafter is replicated but for its embedding,
+which is split over the vocabulary as the target's is (its lookup summed across devices).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from eagle3_jax.models import kv_cache, weights
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.parallel import collectives
+from eagle3_jax.parallel.collectives import Shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,8 @@ def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.
     return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, kernels: str):
+def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, kernels: str,
+            tp: Shards | None = None):
     """One drafter pass over T pairs (h_t, token_{t+1}) at positions cache.lengths + t.
 
     h [B, T, D] is either `project_features` of target features or the drafter's own carried hidden.
@@ -69,10 +73,11 @@ def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCach
         return attend(q, k_buf, v_buf, cache.lengths, kernels), kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
 
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    return layer(params, cfg, embed, h, tokens, positions, cached_attention, kernels)
+    return layer(params, cfg, embed, h, tokens, positions, cached_attention, kernels, tp)
 
 
-def layer(params, cfg: DrafterConfig, embed, h, tokens, positions, attention, kernels: str):
+def layer(params, cfg: DrafterConfig, embed, h, tokens, positions, attention, kernels: str,
+          tp: Shards | None = None):
     """The drafter's layer over T pairs (h_t, token_{t+1}) at `positions` [B, T], its attention an argument:
     attention(qkv [B, T, (N + 2K) H], cos, sin) -> (output [B, T, N, H], what it carries). Inference attends
     through the KV cache (`forward`); training-time test, through its own mask (training/ttt.py). Returns the
@@ -82,7 +87,8 @@ def layer(params, cfg: DrafterConfig, embed, h, tokens, positions, attention, ke
     normed_h = rms_norm(h, params["hidden_norm"], eps)
     residual = normed_h if cfg.norm_before_residual else h
     # The embedding comes first in the concatenation, then the hidden state.
-    x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), params["embed_norm"], eps), normed_h], axis=-1)
+    embedded = collectives.embed(embed, tokens, tp).astype(h.dtype)
+    x = jnp.concatenate([rms_norm(embedded, params["embed_norm"], eps), normed_h], axis=-1)
     cos, sin = rope_tables(positions, cfg.rope, h.dtype)
     attn, carried_by_attention = attention(linear(x, params["wqkv"]), cos, sin)
     attn = linear(attn.reshape(B, T, N * H), params["wo"])
@@ -123,7 +129,7 @@ def to_target_id(params, draft_id) -> jax.Array:
 
 
 def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, kernels: str,
-                propose=None):
+                propose=None, tp: Shards | None = None):
     """gamma drafts from hidden [B, D], the pre-norm output at the newest committed pair.
 
     d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
@@ -143,7 +149,8 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
 
     def step(carry, k):
         h, token, buf = carry
-        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels)
+        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels,
+                           tp)
         out = out[:, 0]
         nxt, q = choose(out, k + 1)
         return (carried(params, cfg, out), nxt, buf), (nxt, q)

@@ -3,6 +3,11 @@
 Parameters: a dict pytree described in models/weights.py (`target_weights`), weights in transformers'
 [out, in] orientation, one array per layer (never a stacked array sliced per layer, which costs copies on
 the GPU); a Qwen3-MoE target's sparse layers (cfg.is_sparse) hold a router and fused experts (models/moe.py).
+
+Tensor parallel (`tp`, inside a shard_map: eagle3_jax/parallel/): the same code runs on each device with
+its shard of the weights and the per-device config (parallel/layout.py: its heads, its part of the
+intermediate, its slice of the vocabulary); the row-parallel outputs (o_proj, the MLP's down projection,
+the experts) and the embedding lookup are summed across devices, so the residual stream is whole on each.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from eagle3_jax.models import kv_cache, moe, weights
 from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
+from eagle3_jax.parallel import collectives
+from eagle3_jax.parallel.collectives import Shards
 
 Params = dict
 
@@ -29,7 +36,7 @@ def new_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.KV
     return kv_cache.KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
 
-def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, kernels):
+def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, kernels, tp):
     """Self-attention of the normed residual stream; returns its output projection and the caches."""
     B, T, _ = normed.shape
     q, k_buf, v_buf = rotate_and_cache(
@@ -37,7 +44,8 @@ def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, k
         q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=cfg.rms_norm_eps, kernels=kernels,
     )
     out = attend(q, k_buf, v_buf, start, kernels)
-    return linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels), k_buf, v_buf
+    projected = linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels)
+    return collectives.all_reduce(projected, tp), k_buf, v_buf
 
 
 def forward(
@@ -47,6 +55,7 @@ def forward(
     cache: kv_cache.KVCache,
     capture_layers: tuple[int, ...] = (),
     kernels: str = "xla",
+    tp: Shards | None = None,
 ):
     """Runs tokens [B, T] at positions cache.lengths + t, writing their K/V into the cache.
 
@@ -54,7 +63,7 @@ def forward(
     the caller commits by setting lengths, features [B, T, len(capture_layers) * D] or None).
     The features are the residual stream entering each capture layer, concatenated in order.
     """
-    hidden, cache, features, _ = _run(params, cfg, tokens, cache, capture_layers, kernels)
+    hidden, cache, features, _ = _run(params, cfg, tokens, cache, capture_layers, kernels, tp)
     return hidden, cache, features
 
 
@@ -62,14 +71,14 @@ def expert_ids(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: kv_ca
                kernels: str = "xla") -> tuple[jax.Array, ...]:
     """The experts each token of tokens [B, T] is routed to, per sparse layer in order: [B T, k] int32
     each. What a step of these tokens reads, for the benchmark's floors."""
-    return _run(params, cfg, tokens, cache, (), kernels)[3]
+    return _run(params, cfg, tokens, cache, (), kernels, None)[3]
 
 
-def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels):
+def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels, tp):
     """forward, plus the sparse layers' routing (XLA drops it where the caller does not use it)."""
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    x = params["embed"][tokens]
+    x = collectives.embed(params["embed"], tokens, tp)
     cos, sin = rope_tables(positions, cfg.rope, x.dtype)
     eps = cfg.rms_norm_eps
     captured, new_k, new_v, routing = {}, [], [], []
@@ -81,7 +90,7 @@ def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels):
             if i in capture_layers:
                 captured[i] = x
             attn, k_buf, v_buf = _attention(
-                layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels
+                layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels, tp
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
             if cfg.is_sparse(i):
@@ -89,6 +98,7 @@ def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels):
                 routing.append(ids)
             else:
                 delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
+            delta = collectives.all_reduce(delta, tp)
         new_k.append(k_buf)
         new_v.append(v_buf)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
