@@ -359,7 +359,7 @@ def slot_bytes(target: Target, drafter, max_len: int) -> int:
 def free_device_bytes() -> int:
     """Free memory of the default device: the allocator's limit less what is in use where it reports them
     (GPUs), else the host's available memory (the CPU backend allocates from it)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,171 @@
+"""Tensor parallelism on 4 virtual CPU devices, against the unsharded model and engine (themselves checked
+against transformers) and, at tp 2, against transformers directly. Run by tests/test_tensor_parallel.py in
+a child pytest with XLA_FLAGS=--xla_force_host_platform_device_count=4 (the suite's own processes have one
+device); not collected by the suite itself."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import PartitionSpec as P
+
+import eagle3_jax
+from eagle3_jax.checkpoints import sharded
+from eagle3_jax.models import qwen3, weights
+from eagle3_jax.parallel import layout
+from eagle3_jax.parallel.collectives import Shards
+from eagle3_jax.parallel.mesh import tp_mesh
+
+import drafter_oracle as oracle
+import spec_worlds as worlds
+from hf_models import build_moe_model, save_moe_model
+
+PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+MAX_LEN = 40  # the longest prompt reaches the cache edge at 30 new tokens
+SAMPLING = dict(temperature=[0.9, 0.0, 1.3], top_k=[12, 0, 0], top_p=[0.8, 1.0, 0.95], seed=[5, 6, 7])
+
+
+def test_four_devices():
+    assert jax.device_count() == 4
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The dense target (GQA 4 with 2 KV heads: replicated at tp 4) and its speculators-format drafter; the
+    permutation target and its pi2 drafter (every round accepts one draft); two MoE targets (fused experts;
+    per-expert shards with dense layers between) and a drafter with an embedding of its own. Each target
+    loads unsharded and, on first use, straight to the shards at tp 1, 2 or 4."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {"folders": {}}
+    for kind in ("random2", "permutation"):
+        out["model:" + kind], out[kind] = worlds.save_target(kind, root / kind)
+        out["folders"][kind] = root / kind
+    out["drafter"] = worlds.save_drafter("random2", root / "drafter", out["random2"])[2]
+    out["pi2"] = worlds.save_drafter("pi2", root / "pi2", out["permutation"])[2]
+    for name in MOE:
+        model = build_moe_model(name, seed=5, num_layers=4, vocab=worlds.V, hidden=worlds.D)
+        out["folders"][name] = save_moe_model(model, root / name, name)
+        out[name] = eagle3_jax.load_target(out["folders"][name], dtype="float32", progress=False)
+    embed = torch.randn(worlds.V, worlds.D, generator=torch.Generator().manual_seed(3))
+    out["own_embed"] = oracle.write_specforge(root / "own_embed", worlds.RANDOM_SPEC,
+                                              oracle.random_drafter_state(worlds.RANDOM_SPEC, 4), embed=embed)
+    return out
+
+
+@functools.cache
+def _sharded(world_id, kind: str, tp: int):
+    world = _WORLDS[world_id]
+    return eagle3_jax.load_target(world["folders"][kind], dtype="float32", progress=False, mesh=tp_mesh(tp))
+
+
+_WORLDS = {}
+
+
+def sharded_target(world, kind, tp):
+    _WORLDS[id(world)] = world
+    return _sharded(id(world), kind, tp)
+
+
+def sharded_logits(target, tokens: np.ndarray) -> np.ndarray:
+    """The sharded prefill's logits, its devices' vocabulary slices side by side (the whole vocabulary)."""
+    tp = target.mesh.devices.size
+    cfg = layout.local_config(target.config, tp)
+    specs = weights.partition_specs(weights.target_weights(cfg), layout.TARGET_RULES)
+
+    def local(params, tokens):
+        cache = qwen3.new_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+        hidden, _, _ = qwen3.forward(params, cfg, tokens, cache, tp=Shards(tp))
+        return qwen3.logits(params, hidden)
+
+    run = jax.shard_map(local, mesh=target.mesh, in_specs=(specs, P()), out_specs=P(None, None, "tp"),
+                        check_vma=False)
+    return np.asarray(jax.jit(run)(target.params, tokens))
+
+
+def unsharded_logits(target, tokens: np.ndarray) -> np.ndarray:
+    cache = qwen3.new_cache(target.config, tokens.shape[0], tokens.shape[1], np.float32)
+    hidden, _, _ = qwen3.forward(target.params, target.config, tokens, cache)
+    return np.asarray(qwen3.logits(target.params, hidden))
+
+
+TOKENS = np.array([PROMPTS[0] + [0] * 10, PROMPTS[2]], np.int32)
+MOE = ("moe_top3_norm_fused", "moe_top1_step2_sharded")
+KINDS = ("random2",) + MOE
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_logits_equal_the_unsharded_forward(world, kind, tp):
+    np.testing.assert_allclose(sharded_logits(sharded_target(world, kind, tp), TOKENS),
+                               unsharded_logits(world[kind], TOKENS), rtol=0, atol=1e-5)
+
+
+def test_logits_at_tp2_equal_transformers(world):
+    with torch.no_grad():
+        expected = world["model:random2"](torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(sharded_logits(sharded_target(world, "random2", 2), TOKENS), expected, rtol=0,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loaded_shards_equal_the_placed_unsharded_target(world, kind):
+    """Reading each device's slices from the files gives the shards that placing the loaded target gives."""
+    loaded = sharded_target(world, kind, 4)
+    placed = sharded.shard_target(world[kind], loaded.mesh)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(placed.params)):
+        assert a.sharding == b.sharding and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def tokens_of(results):
+    return [(r.token_ids, r.finish_reason) for r in results]
+
+
+@pytest.mark.parametrize("kind, tp", [("random2", 1), ("random2", 2), ("random2", 4), (MOE[0], 2), (MOE[1], 4)])
+def test_greedy_output_is_the_unsharded_engine(world, kind, tp):
+    target = sharded_target(world, kind, tp)
+    expected = eagle3_jax.Engine(world[kind], max_len=MAX_LEN).generate(PROMPTS, 30)
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN, mesh=target.mesh)
+    assert tokens_of(engine.generate(PROMPTS, 30)) == tokens_of(expected)
+    assert expected[2].finish_reason == "length" and len(expected[2].token_ids) == MAX_LEN - len(PROMPTS[2])
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5])
+def test_speculation_is_lossless_up_to_the_cache_edge(world, gamma):
+    """tp 4 (the target's KV heads replicated, the drafter replicated), the permutation world: every round
+    accepts pi2's first draft, as on one device, and the longest prompt runs into max_len."""
+    expected = tokens_of(eagle3_jax.Engine(world["permutation"], max_len=MAX_LEN).generate(PROMPTS, 30))
+    target = sharded_target(world, "permutation", 4)
+    engine = eagle3_jax.Engine(target, world["pi2"], num_draft_tokens=gamma, max_len=MAX_LEN, mesh=target.mesh)
+    got = engine.generate(PROMPTS, 30)
+    assert tokens_of(got) == expected
+    for r in got:  # the last round may be cut by max_new_tokens or max_len
+        assert r.accept_lengths[:-1] == [1] * (len(r.accept_lengths) - 1) and r.accept_lengths[-1] <= 1
+
+
+def test_moe_speculation_with_a_drafter_embedding_of_its_own(world):
+    """The drafter's own embedding is split over the vocabulary like the target's."""
+    kind = MOE[0]
+    expected = eagle3_jax.Engine(world[kind], max_len=MAX_LEN).generate(PROMPTS, 30)
+    target = sharded_target(world, kind, 4)
+    drafter = eagle3_jax.load_drafter(world["own_embed"], target, dtype="float32")
+    assert drafter.params["embed"].sharding.spec == P("tp", None)
+    got = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, mesh=target.mesh).generate(
+        PROMPTS, 30)
+    assert tokens_of(got) == tokens_of(expected)
+
+
+@pytest.mark.parametrize("gamma, proposal", [(0, "argmax"), (3, "sample")])
+def test_seeded_sampling_gives_the_unsharded_tokens(world, gamma, proposal):
+    """Filters (top-k, top-p) and draws across vocabulary shards: the unsharded engine's tokens, seed for
+    seed, spec off and speculative with sampled proposals; a greedy row beside the sampled ones."""
+    target = sharded_target(world, "random2", 4)
+    drafter = world["drafter"] if gamma else None
+    kwargs = dict(num_draft_tokens=gamma, max_len=MAX_LEN, proposal=proposal)
+    expected = eagle3_jax.Engine(world["random2"], drafter, **kwargs).generate(PROMPTS, 20, **SAMPLING)
+    got = eagle3_jax.Engine(target, drafter, mesh=target.mesh, **kwargs).generate(PROMPTS, 20, **SAMPLING)
+    assert tokens_of(got) == tokens_of(expected)
+    greedy = eagle3_jax.Engine(world["random2"], max_len=MAX_LEN).generate(PROMPTS[1:2], 20)
+    assert got[1].token_ids == greedy[0].token_ids
