@@ -43,10 +43,10 @@ def power(k: int) -> np.ndarray:
     return out
 
 
-def _hf_target(kind: str):
+def _hf_target(kind: str, layers: int):
     if kind == "random2":  # another shape: GQA 4, head_dim 8 != hidden / heads
-        return build_model("gqa4_sharded", seed=12, num_layers=LAYERS, vocab=V, hidden=D)
-    model = build_model("gqa2_headdim", seed=11, num_layers=LAYERS, vocab=V, hidden=D)
+        return build_model("gqa4_sharded", seed=12, num_layers=layers, vocab=V, hidden=D)
+    model = build_model("gqa2_headdim", seed=11, num_layers=layers, vocab=V, hidden=D)
     if kind == "random":
         return model
     with torch.no_grad():
@@ -61,8 +61,9 @@ def _hf_target(kind: str):
     return model
 
 
-def save_target(kind: str, folder):
-    model = _hf_target(kind)
+def save_target(kind: str, folder, layers: int = LAYERS):
+    """The target of a world, `layers` deep (fewer compile faster; the drafters capture the defaults)."""
+    model = _hf_target(kind, layers)
     model.save_pretrained(folder)
     return model, eagle3_jax.load_target(folder, dtype="float32", progress=False)
 

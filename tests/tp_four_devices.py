@@ -40,7 +40,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     out = {"folders": {}}
     for kind in ("random2", "permutation"):
-        out["model:" + kind], out[kind] = worlds.save_target(kind, root / kind)
+        out["model:" + kind], out[kind] = worlds.save_target(kind, root / kind, layers=4)
         out["folders"][kind] = root / kind
     out["drafter"] = worlds.save_drafter("random2", root / "drafter", out["random2"])[2]
     out["pi2"] = worlds.save_drafter("pi2", root / "pi2", out["permutation"])[2]
@@ -157,15 +157,28 @@ def test_moe_speculation_with_a_drafter_embedding_of_its_own(world):
     assert tokens_of(got) == tokens_of(expected)
 
 
-@pytest.mark.parametrize("gamma, proposal", [(0, "argmax"), (3, "sample")])
-def test_seeded_sampling_gives_the_unsharded_tokens(world, gamma, proposal):
-    """Filters (top-k, top-p) and draws across vocabulary shards: the unsharded engine's tokens, seed for
-    seed, spec off and speculative with sampled proposals; a greedy row beside the sampled ones."""
+def test_seeded_sampling_gives_the_unsharded_tokens(world):
+    """Filters (top-k, top-p) and draws across vocabulary shards, at prefill, verify and after a rejection:
+    the unsharded engine's tokens, seed for seed, speculating with sampled proposals; a greedy row beside
+    the sampled ones."""
     target = sharded_target(world, "random2", 4)
-    drafter = world["drafter"] if gamma else None
-    kwargs = dict(num_draft_tokens=gamma, max_len=MAX_LEN, proposal=proposal)
+    drafter = world["drafter"]
+    kwargs = dict(num_draft_tokens=3, max_len=MAX_LEN, proposal="sample")
     expected = eagle3_jax.Engine(world["random2"], drafter, **kwargs).generate(PROMPTS, 20, **SAMPLING)
     got = eagle3_jax.Engine(target, drafter, mesh=target.mesh, **kwargs).generate(PROMPTS, 20, **SAMPLING)
     assert tokens_of(got) == tokens_of(expected)
     greedy = eagle3_jax.Engine(world["random2"], max_len=MAX_LEN).generate(PROMPTS[1:2], 20)
     assert got[1].token_ids == greedy[0].token_ids
+
+
+def test_a_tp_that_does_not_split_the_target_is_refused_with_the_numbers(world):
+    """random2: 8 heads, 2 KV heads, intermediate 104, vocabulary 48; tp 3 divides only the vocabulary."""
+    mesh = tp_mesh(3)
+    message = ("tp=3 does not divide the target's num_attention_heads=8, intermediate_size=104, "
+               "num_key_value_heads=2")
+    with pytest.raises(ValueError, match=message):
+        eagle3_jax.load_target(world["folders"]["random2"], dtype="float32", progress=False, mesh=mesh)
+    with pytest.raises(ValueError, match=message):
+        eagle3_jax.Engine(world["random2"], max_len=MAX_LEN, mesh=mesh)
+    with pytest.raises(ValueError, match="tp=8 needs 8 devices, and 4 are present"):
+        tp_mesh(8)
