@@ -119,7 +119,7 @@ def test_four_virtual_devices(tmp_path):
                            "tests/tp_four_devices.py", "--basetemp", str(tmp_path)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " 27 passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("27 passed"), proc.stdout[-2000:]
 
 
 def test_two_processes_decode_as_one(tmp_path):
@@ -142,3 +142,13 @@ def test_two_processes_decode_as_one(tmp_path):
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+def test_tp1_bench_dry_run(tmp_path):
+    """The tp-1 overhead bench at tiny shapes: both paths compile, run and report a ratio."""
+    from eagle3_jax_bench import tensor_parallel
+
+    assert tensor_parallel.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "1", "--gammas", "0",
+                                 "--kv-len", "16", "--reps", "1", "--inner", "1", "--dtype", "float32"]) == 0
+    (row,) = json.loads((tmp_path / "tensor_parallel.json").read_text())["rounds"]
+    assert row["batch"] == 1 and row["gamma"] == 0 and row["unsharded_ms"] > 0 and row["ratio"] > 0

@@ -71,13 +71,13 @@ def _mapped(fn, mesh: Mesh, in_specs, out_specs):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh"))
-def _empty(tparams, dparams, template, *, spec, mesh):
+def jit_empty(tparams, dparams, template, *, spec, mesh):
     fn = functools.partial(slots.empty, spec=spec)
     return _mapped(fn, mesh, (*_param_specs(spec, dparams), P()), state_specs(spec))(tparams, dparams, template)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh"))
-def _prefill(tparams, dparams, request, *, spec, mesh):
+def jit_prefill(tparams, dparams, request, *, spec, mesh):
     fn = functools.partial(spec_round.prefill, spec=spec)
     out = (state_specs(spec), P())
     return _mapped(fn, mesh, (*_param_specs(spec, dparams), P()), out)(tparams, dparams, request)
@@ -90,13 +90,13 @@ def _specs_like(state: spec_round.DecodeState) -> spec_round.DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def _insert(state, fresh, slot_ids, *, mesh):
+def jit_insert(state, fresh, slot_ids, *, mesh):
     states = _specs_like(state)
     return _mapped(slots.insert, mesh, (states, states, P()), states)(state, fresh, slot_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "num_rounds", "mesh"), donate_argnames=("state",))
-def _rounds(tparams, dparams, state, *, spec, num_rounds, mesh):
+def jit_rounds(tparams, dparams, state, *, spec, num_rounds, mesh):
     fn = functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=num_rounds)
     states = state_specs(spec)
     return _mapped(fn, mesh, (*_param_specs(spec, dparams), states), (states, P()))(tparams, dparams, state)
@@ -110,8 +110,8 @@ def sharded_steps(mesh: Mesh) -> Steps:
         return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated, lambda i: x[i]), tree)
 
     return Steps(
-        empty=functools.partial(_empty, mesh=mesh), prefill=functools.partial(_prefill, mesh=mesh),
-        insert=functools.partial(_insert, mesh=mesh), rounds=functools.partial(_rounds, mesh=mesh), put=put,
+        empty=functools.partial(jit_empty, mesh=mesh), prefill=functools.partial(jit_prefill, mesh=mesh),
+        insert=functools.partial(jit_insert, mesh=mesh), rounds=functools.partial(jit_rounds, mesh=mesh), put=put,
         fetch=lambda packed: np.asarray(packed.addressable_shards[0].data))
 
 
