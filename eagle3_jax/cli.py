@@ -83,12 +83,14 @@ def _generate(args) -> int:
     import jax
 
     import eagle3_jax
+    from eagle3_jax.parallel.mesh import tp_mesh
 
     _use_compile_cache(None if args.no_compile_cache else args.compile_cache)
     # float32 on the CPU, where bfloat16 has no fast matmuls (about five times slower); bfloat16 elsewhere.
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
-    target = eagle3_jax.load_target(args.target, dtype=dtype)
+    mesh = None if args.tp == 1 else tp_mesh(args.tp)  # refused here when fewer devices are present
+    target = eagle3_jax.load_target(args.target, dtype=dtype, mesh=mesh)
     drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=dtype) if args.drafter else None
     tokenizer = load_tokenizer(args.target)
     prompt = _prompt_ids(args, tokenizer)
@@ -97,7 +99,7 @@ def _generate(args) -> int:
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
-                               exact=args.exact)
+                               exact=args.exact, mesh=mesh)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
@@ -211,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode and verify on kernels whose result for a token does not depend on the batch or "
                           "the tokens verified with it: speculative output bit for bit spec-off output in 16-bit "
                           "too (see eagle3_jax.Engine; default: %(default)s)")
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor parallel over this many devices (docs/tensor-parallel.md; default: one device)")
     gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     gen.add_argument("--compile-cache", default=_default_cache_dir(), metavar="DIR",

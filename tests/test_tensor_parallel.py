@@ -111,6 +111,15 @@ def test_a_mesh_larger_than_the_devices_is_refused():
         mesh_size(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
 
 
+def test_cli_tp_beyond_the_devices_is_refused_before_loading(tmp_path, capsys):
+    from eagle3_jax import cli
+
+    n = jax.device_count()
+    assert cli.main(["generate", "--target", str(tmp_path / "absent"), "--prompt-ids", "1,2",
+                     "--tp", str(n + 1), "--no-compile-cache"]) == 2
+    assert f"error: tp={n + 1} needs {n + 1} devices, and {n} are present" in capsys.readouterr().err
+
+
 def test_four_virtual_devices(tmp_path):
     """tests/tp_four_devices.py in a child pytest with 4 CPU devices: every one of its tests passes."""
     flags = os.environ.get("XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py), plus 4 devices
