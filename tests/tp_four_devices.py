@@ -119,6 +119,17 @@ def test_loaded_shards_equal_the_placed_unsharded_target(world, kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_bfloat16_files_load_to_their_shards_bit_for_bit(world, tmp_path):
+    folder = tmp_path / "bf16"
+    world["model:random2"].to(torch.bfloat16).save_pretrained(folder)
+    world["model:random2"].to(torch.float32)
+    loaded = eagle3_jax.load_target(folder, dtype="bfloat16", progress=False, mesh=tp_mesh(4))
+    placed = sharded.shard_target(eagle3_jax.load_target(folder, dtype="bfloat16", progress=False), loaded.mesh)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(placed.params)):
+        assert a.dtype == b.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
 def tokens_of(results):
     return [(r.token_ids, r.finish_reason) for r in results]
 
@@ -138,7 +149,7 @@ def test_speculation_is_lossless_up_to_the_cache_edge(world, gamma):
     accepts pi2's first draft, as on one device, and the longest prompt runs into max_len."""
     expected = tokens_of(eagle3_jax.Engine(world["permutation"], max_len=MAX_LEN).generate(PROMPTS, 30))
     target = sharded_target(world, "permutation", 4)
-    engine = eagle3_jax.Engine(target, world["pi2"], num_draft_tokens=gamma, max_len=MAX_LEN, mesh=target.mesh)
+    engine = eagle3_jax.Engine(target, world["pi2"], num_draft_tokens=gamma, max_len=MAX_LEN)  # the target's mesh
     got = engine.generate(PROMPTS, 30)
     assert tokens_of(got) == expected
     for r in got:  # the last round may be cut by max_new_tokens or max_len

@@ -109,10 +109,12 @@ class Engine:
         refused here, before anything is allocated.
         prefill_tokens: the most padded prompt tokens (rows x prompt bucket) one admission prefills at once,
         which bounds prefill's working memory; a longer prompt is still prefilled, alone.
-        mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md), or None for one
-        device. A target and drafter not yet on it are placed there (the caller's unsharded copies stay
-        where they are); a tp that does not split the target is refused, naming the sizes."""
+        mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md); None: the target's
+        (load_target(mesh=...)), else one device. A target and drafter not yet on it are placed there (the
+        caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
+        the sizes."""
         self._steps = ONE_DEVICE
+        mesh = target.mesh if mesh is None else mesh
         if mesh is not None:
             target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
         cfg = target.config
