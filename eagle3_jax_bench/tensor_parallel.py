@@ -8,6 +8,7 @@ gamma 0 is the spec-off decode step; gamma > 0 a speculative round with a random
 the same weights (at tp 1 the mesh's shards are the unsharded arrays, relabelled), from copies of one random
 state at --kv-len, compiled ahead of the timed region; each is timed twice, alternating, and the faster
 median kept. Reported per round: ms unsharded, ms sharded, and their ratio (the goal: at most 1.01).
+With --tp N > 1: the spec-off step on a mesh of N devices against its floor instead (tp_floor.py).
 Writes tensor_parallel.json under --out.
 """
 
@@ -28,7 +29,7 @@ from eagle3_jax.parallel import layout
 from eagle3_jax.parallel import steps as parallel_steps
 from eagle3_jax.parallel.mesh import tp_mesh
 
-from . import presets
+from . import presets, tp_floor
 from .core import Run, compile_timed, time_chain, versions
 from .inputs import random_models, random_state
 
@@ -84,11 +85,21 @@ def main(argv=None) -> int:
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--budget-s", type=float, default=170.0)
+    parser.add_argument("--tp", type=int, default=1, help="> 1: the step on this many devices against its floor")
+    parser.add_argument("--copy-mb", type=int, default=4096, help="--tp > 1: the copy-rate probe's size")
+    parser.add_argument("--allreduce-mb", type=int, default=256, help="--tp > 1: the all-reduce-rate probe's size")
     args = parser.parse_args(argv)
     models = presets.pair(args.model)
     args.kernels = kernels_lib.default(models[0].head_dim, models[1].head_dim)
     run = Run(args.budget_s, args.out, "tensor_parallel.json")
     run.record("versions", versions())
+    if args.tp > 1:
+        run.ceilings(args.copy_mb << 20, None)
+        mesh = tp_mesh(args.tp)
+        for batch in args.batches:
+            if run.time_left(f"tp {args.tp} batch {batch}"):
+                tp_floor.measure(run, models[0], mesh, batch, args)
+        return 0
     target, drafter = random_models(models, jax.numpy.dtype(args.dtype))
     for gamma in args.gammas:
         for batch in args.batches:

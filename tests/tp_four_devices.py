@@ -140,6 +140,8 @@ def test_greedy_output_is_the_unsharded_engine(world, kind, tp):
     expected = eagle3_jax.Engine(world[kind], max_len=MAX_LEN).generate(PROMPTS, 30)
     engine = eagle3_jax.Engine(target, max_len=MAX_LEN, mesh=target.mesh)
     assert tokens_of(engine.generate(PROMPTS, 30)) == tokens_of(expected)
+    kinds = [kind for kind, _ in engine.device_events]  # one transfer per prefill and per call of rounds
+    assert kinds.count("transfer") == kinds.count("prefill") + kinds.count("call") > 1
     assert expected[2].finish_reason == "length" and len(expected[2].token_ids) == MAX_LEN - len(PROMPTS[2])
 
 
@@ -193,3 +195,16 @@ def test_a_tp_that_does_not_split_the_target_is_refused_with_the_numbers(world):
         eagle3_jax.Engine(world["random2"], max_len=MAX_LEN, mesh=mesh)
     with pytest.raises(ValueError, match="tp=8 needs 8 devices, and 4 are present"):
         tp_mesh(8)
+
+
+def test_tp_floor_bench_dry_run(tmp_path):
+    """The multi-device bench at tiny shapes: the step on a mesh of 4, its floor and the all-reduce probes."""
+    import json
+
+    from eagle3_jax_bench import tensor_parallel
+
+    assert tensor_parallel.main(["--out", str(tmp_path), "--model", "tiny", "--tp", "4", "--batches", "2",
+                                 "--kv-len", "16", "--reps", "1", "--inner", "1", "--dtype", "float32",
+                                 "--copy-mb", "1", "--allreduce-mb", "1"]) == 0
+    (row,) = json.loads((tmp_path / "tensor_parallel.json").read_text())["tp_step"]
+    assert row["tp"] == 4 and row["allreduces"] == 1 + 2 * 6 and row["step_ms"] > 0 and row["floor_ms"] > 0
