@@ -66,10 +66,10 @@ def _cut(x: np.ndarray, dim: int, a: int, b: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def from_files(files: dict[str, Path], layout: hf_layout.Plan):
+def from_files(files: dict[str, Path], plan: hf_layout.Plan):
     """Blocks read from the safetensors files of a checked folder (`hf_layout.plan`'s sources): each block
     only the rows and columns it needs, through the files' slices, the files open while the context is."""
-    sources = {w.path: s for w, s in layout}
+    sources = {w.path: s for w, s in plan}
     with contextlib.ExitStack() as stack:
         handles: dict[Path, object] = {}
 

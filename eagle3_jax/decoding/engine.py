@@ -113,10 +113,6 @@ class Engine:
         (load_target(mesh=...)), else one device. A target and drafter not yet on it are placed there (the
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
         the sizes."""
-        self._steps = ONE_DEVICE
-        mesh = target.mesh if mesh is None else mesh
-        if mesh is not None:
-            target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
         cfg = target.config
         max_len = _check_sizes(cfg, drafter is not None, num_draft_tokens, max_len, rounds_per_call)
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
@@ -124,6 +120,10 @@ class Engine:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         _check_exact(cfg, exact)
+        self._steps = ONE_DEVICE
+        mesh = target.mesh if mesh is None else mesh
+        if mesh is not None:  # the arguments are checked first: placing the models is device work
+            target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
         self.target, self.drafter, self.max_len = target, drafter, max_len
         per_device = target if mesh is None else parallel_steps.per_device_target(target)
         self.max_batch = _check_pool(max_batch, pool_capacity(per_device, drafter, max_len),
