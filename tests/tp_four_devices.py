@@ -68,20 +68,24 @@ def sharded_target(world, kind, tp):
     return _sharded(id(world), kind, tp)
 
 
-def sharded_logits(target, tokens: np.ndarray) -> np.ndarray:
-    """The sharded prefill's logits, its devices' vocabulary slices side by side (the whole vocabulary)."""
-    tp = target.mesh.devices.size
-    cfg = layout.local_config(target.config, tp)
-    specs = weights.partition_specs(weights.target_weights(cfg), layout.TARGET_RULES)
+@functools.cache
+def _sharded_forward(cfg, mesh):
+    tp = mesh.devices.size
+    local_cfg = layout.local_config(cfg, tp)
+    specs = weights.partition_specs(weights.target_weights(local_cfg), layout.TARGET_RULES)
 
     def local(params, tokens):
-        cache = qwen3.new_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-        hidden, _, _ = qwen3.forward(params, cfg, tokens, cache, tp=Shards(tp))
+        cache = qwen3.new_cache(local_cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+        hidden, _, _ = qwen3.forward(params, local_cfg, tokens, cache, tp=Shards(tp))
         return qwen3.logits(params, hidden)
 
-    run = jax.shard_map(local, mesh=target.mesh, in_specs=(specs, P()), out_specs=P(None, None, "tp"),
-                        check_vma=False)
-    return np.asarray(jax.jit(run)(target.params, tokens))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(None, None, "tp"),
+                                 check_vma=False))
+
+
+def sharded_logits(target, tokens: np.ndarray) -> np.ndarray:
+    """The sharded prefill's logits, its devices' vocabulary slices side by side (the whole vocabulary)."""
+    return np.asarray(_sharded_forward(target.config, target.mesh)(target.params, tokens))
 
 
 def unsharded_logits(target, tokens: np.ndarray) -> np.ndarray:
@@ -134,7 +138,7 @@ def tokens_of(results):
     return [(r.token_ids, r.finish_reason) for r in results]
 
 
-@pytest.mark.parametrize("kind, tp", [("random2", 1), ("random2", 2), ("random2", 4), (MOE[0], 2), (MOE[1], 4)])
+@pytest.mark.parametrize("kind, tp", [("random2", 1), ("random2", 2), ("random2", 4), (MOE[1], 4)])
 def test_greedy_output_is_the_unsharded_engine(world, kind, tp):
     target = sharded_target(world, kind, tp)
     expected = eagle3_jax.Engine(world[kind], max_len=MAX_LEN).generate(PROMPTS, 30)
@@ -148,8 +152,14 @@ def test_greedy_output_is_the_unsharded_engine(world, kind, tp):
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5])
 def test_speculation_is_lossless_up_to_the_cache_edge(world, gamma):
     """tp 4 (the target's KV heads replicated, the drafter replicated), the permutation world: every round
-    accepts pi2's first draft, as on one device, and the longest prompt runs into max_len."""
-    expected = tokens_of(eagle3_jax.Engine(world["permutation"], max_len=MAX_LEN).generate(PROMPTS, 30))
+    accepts pi2's first draft, as on one device, and the longest prompt runs into max_len. Spec-off output is
+    known: each token is pi of the one before."""
+    expected = []
+    for prompt in PROMPTS:
+        out = [int(worlds.PI[prompt[-1]])]
+        while len(out) < min(30, MAX_LEN - len(prompt)):
+            out.append(int(worlds.PI[out[-1]]))
+        expected.append((out, "length"))
     target = sharded_target(world, "permutation", 4)
     engine = eagle3_jax.Engine(target, world["pi2"], num_draft_tokens=gamma, max_len=MAX_LEN)  # the target's mesh
     got = engine.generate(PROMPTS, 30)
