@@ -20,7 +20,7 @@ from eagle3_jax.parallel.mesh import tp_mesh
 
 import drafter_oracle as oracle
 import spec_worlds as worlds
-from hf_models import build_moe_model, save_moe_model
+from hf_models import build_model, build_moe_model, save_model, save_moe_model
 
 PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 MAX_LEN = 40  # the longest prompt reaches the cache edge at 30 new tokens
@@ -218,3 +218,77 @@ def test_tp_floor_bench_dry_run(tmp_path):
                                  "--copy-mb", "1", "--allreduce-mb", "1"]) == 0
     (row,) = json.loads((tmp_path / "tensor_parallel.json").read_text())["tp_step"]
     assert row["tp"] == 4 and row["allreduces"] == 1 + 2 * 6 and row["step_ms"] > 0 and row["floor_ms"] > 0
+
+
+def test_filters_and_draws_across_shards_are_the_unsharded_ones():
+    """filter_rows over 4 vocabulary slices: the same cut, tie id, top and mass as over whole rows, with many
+    ties (logits on a coarse grid, some at the top-p boundary), and the same draws for the same keys."""
+    from eagle3_jax.decoding import sampling
+    from eagle3_jax.parallel.collectives import Vocab
+
+    rows, V = 8, 1024
+    logits = np.round(np.random.default_rng(0).normal(0, 2, (rows, V)), 0).astype(np.float32)
+    logits[1] = 0.0  # one row all tied
+    temperature = np.array([1, 0.7, 1, 1.3, 1, 0.5, 1, 2], np.float32)
+    top_k = np.array([0, 5, 50, 0, 1, 3, 1024, 200], np.int32)
+    top_p = np.array([1, 0.9, 0.5, 0.3, 1, 0.95, 0.8, 0.99], np.float32)
+    keys = jax.random.split(jax.random.key(3), rows)
+
+    def filtered(vocab):
+        def run(x, t, k, p, keys):
+            f = sampling.filter_rows(x, t, k, p, vocab)
+            return f.cut, f.tie_id, f.top, f.total, f.probs(), sampling.categorical(keys, f.probs(), vocab)
+        return run
+
+    whole = jax.jit(filtered(Vocab()))(logits, temperature, top_k, top_p, keys)
+    mesh = tp_mesh(4)
+    split = jax.jit(jax.shard_map(filtered(Vocab(Shards(4))), mesh=mesh, in_specs=(P(None, "tp"), P(), P(), P(), P()),
+                                  out_specs=(P(), P(), P(), P(), P(None, "tp"), P()), check_vma=False))
+    got = split(logits, temperature, top_k, top_p, keys)
+    for name, a, b in zip(("cut", "tie_id", "top"), whole[:3], got[:3]):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(whole[3]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[4]), np.asarray(whole[4]), rtol=1e-6, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(got[5]), np.asarray(whole[5]))
+    assert len(set(np.asarray(whole[1]).tolist())) > 2  # tie ids at work, not all "none at the cut"
+
+
+def test_no_step_moves_a_row_of_logits(tmp_path):
+    """The sampling build's prefill and call of rounds at tp 4 (a target of vocabulary 80 = 4 x 20, width 48):
+    no collective carries a vocabulary axis, whole or sliced; each reduction over it moves a few numbers per
+    row, the rest are the [B, T, D] all-reduces."""
+    from eagle3_jax.decoding import spec_round
+    from eagle3_jax.parallel import steps
+
+    model = build_model("gqa4_sharded", seed=1, num_layers=2, vocab=80, hidden=48)
+    folder = save_model(model, tmp_path, "gqa4_sharded")
+    mesh = tp_mesh(4)
+    target = eagle3_jax.load_target(folder, dtype="float32", progress=False, mesh=mesh)
+    spec = steps.local_spec(spec_round.StepSpec(target=target.config, drafter=None, gamma=0, max_len=MAX_LEN,
+                                                kernels="xla", sampling=True), 4)
+    request = steps.sharded_steps(mesh).put(eagle3_jax.Engine(target, max_len=MAX_LEN).request(PROMPTS, 5,
+                                                                                              temperature=0.9))
+    prefill = jax.make_jaxpr(functools.partial(steps.jit_prefill, spec=spec, mesh=mesh))(target.params, None, request)
+    state, _ = steps.jit_prefill(target.params, None, request, spec=spec, mesh=mesh)
+    rounds = jax.make_jaxpr(functools.partial(steps.jit_rounds, spec=spec, num_rounds=1, mesh=mesh))(
+        target.params, None, state)
+    for jaxpr in (prefill, rounds):
+        moved = collectives_in(jaxpr.jaxpr)
+        assert {name for name, _ in moved} >= {"all_gather", "psum", "pmax", "pmin"}
+        for name, shape in moved:
+            assert 80 not in shape and 20 not in shape, (name, shape)
+
+
+def collectives_in(jaxpr) -> list[tuple[str, tuple[int, ...]]]:
+    """(primitive, operand shape) of every collective in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("all_gather", "psum", "pmax", "pmin", "psum_invariant", "all_to_all", "ppermute"):
+            found += [(name.replace("_invariant", ""), tuple(v.aval.shape)) for v in eqn.invars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += collectives_in(inner)
+    return found
