@@ -111,6 +111,17 @@ def test_a_mesh_larger_than_the_devices_is_refused():
         mesh_size(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
 
 
+def test_an_orbax_folder_or_exact_kernels_on_a_mesh_are_refused(tmp_path):
+    folder = save_model(build_model("mha_tied", num_layers=2, vocab=48), tmp_path / "hf", "mha_tied")
+    converted = eagle3_jax.convert(folder, tmp_path / "orbax", dtype="float32")
+    with pytest.raises(eagle3_jax.CheckpointError, match="an orbax conversion loads on one device; a mesh needs "
+                                                         "the Hugging Face folder"):
+        eagle3_jax.load_target(converted, dtype="float32", mesh=tp_mesh(1))
+    target = eagle3_jax.load_target(folder, dtype="float32", progress=False, mesh=tp_mesh(1))
+    with pytest.raises(ValueError, match="exact=True runs on one device"):
+        eagle3_jax.Engine(target, max_len=32, exact=True)
+
+
 def test_cli_tp_beyond_the_devices_is_refused_before_loading(tmp_path, capsys):
     from eagle3_jax import cli
 

@@ -205,6 +205,8 @@ def test_a_tp_that_does_not_split_the_target_is_refused_with_the_numbers(world):
         eagle3_jax.Engine(world["random2"], max_len=MAX_LEN, mesh=mesh)
     with pytest.raises(ValueError, match="tp=8 needs 8 devices, and 4 are present"):
         tp_mesh(8)
+    with pytest.raises(ValueError, match="the target is loaded on another mesh"):
+        eagle3_jax.Engine(sharded_target(world, "random2", 4), max_len=MAX_LEN, mesh=tp_mesh(2))
 
 
 def test_tp_floor_bench_dry_run(tmp_path):
