@@ -54,18 +54,13 @@ def world(tmp_path_factory):
     return out
 
 
-@functools.cache
-def _sharded(world_id, kind: str, tp: int):
-    world = _WORLDS[world_id]
-    return eagle3_jax.load_target(world["folders"][kind], dtype="float32", progress=False, mesh=tp_mesh(tp))
-
-
-_WORLDS = {}
-
-
-def sharded_target(world, kind, tp):
-    _WORLDS[id(world)] = world
-    return _sharded(id(world), kind, tp)
+def sharded_target(world, kind: str, tp: int):
+    """The world's `kind` target loaded straight to the shards of a tp mesh, once per (kind, tp)."""
+    loaded = world.setdefault("sharded", {})
+    if (kind, tp) not in loaded:
+        loaded[kind, tp] = eagle3_jax.load_target(world["folders"][kind], dtype="float32", progress=False,
+                                                  mesh=tp_mesh(tp))
+    return loaded[kind, tp]
 
 
 @functools.cache
