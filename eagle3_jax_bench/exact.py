@@ -11,7 +11,8 @@ the verify at batch 1 run first, then the matmul table, then the other step rows
              one row, a GEMM for more; the lm_head's einsum with float32 logits) at Qwen3-8B's five weight
              shapes and 1, 4, 8, 16, 32, 64 rows: wall time per call in a jit of back-to-back calls, each
              on its own copy of the weight (at least 256 MB in all, so no call is served from L2), against
-             the weight's floor; --tunings adds Pallas rows for other SkinnyConfig fields
+             the weight's floor; --tunings adds Pallas rows for other SkinnyConfig fields (a tuning the
+             kernel or the GPU refuses is recorded as refused)
   agreement  greedy output of a Qwen3-1.7B-shaped target in bf16 (random weights, 8 prompts of 16-500
              tokens, 128 new tokens each): speculative (gamma 3) against spec-off, with and without exact
 On a CPU (or with --tiny) it runs at tiny shapes, the Pallas kernels in interpret mode: a smoke test.
@@ -163,10 +164,14 @@ def matmul_section(run: Run, s: Setup, tparams, tunings: list[dict]) -> None:
                     continue
                 fn = jax.jit(lambda x, ws, impl=impl, tuning=tuning, name=name: [
                     _matmul(x, w, name, impl, tuning) for w in ws])
-                compiled, compile_s = compile_timed(fn, x, weights)
+                entry = {"weight": name, "shape": list(w.shape), "rows": rows, "impl": impl, "tuning": tuning}
+                try:
+                    compiled, compile_s = compile_timed(fn, x, weights)
+                except Exception as e:  # a tuning the GPU refuses (shared memory, registers) is a row too
+                    run.add("matmul_refused", {**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
                 seconds = time_pure(compiled, (x, weights), s.plan.models.reps, s.plan.models.inner) / copies
-                entry = {"weight": name, "shape": list(w.shape), "rows": rows, "impl": impl, "tuning": tuning,
-                         "compile_s": compile_s}
+                entry["compile_s"] = compile_s
                 if impl == "pallas":
                     got = compiled(x, weights)[0]
                     want = pallas_kernels.skinny_matmul_reference(x, w, out_dtype=got.dtype)
@@ -214,6 +219,8 @@ def summary(results: dict) -> str:
         tuning = f" {r['tuning']}" if r["tuning"] else ""
         lines.append(f"matmul {r['weight']:9s} rows {r['rows']:3d} {r['impl']:6s}{tuning} {r['time_ms'] * 1e3:9.1f} us "
                      f" x floor {r['ratio']:.3f}")
+    for r in results.get("matmul_refused", []):
+        lines.append(f"matmul {r['weight']:9s} rows {r['rows']:3d} {r['tuning']} refused: {r['error']}")
     for r in results.get("agreement", []):
         lines.append(f"agreement exact={r['exact']}: {r['identical']}/{r['prompts']} prompts identical, "
                      f"first differences {r['first_differences']}")
@@ -232,11 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help='JSON list of SkinnyConfig fields for extra Pallas matmul rows, e.g. [{"block_n": 64}]')
+    parser.add_argument("--matmul-rows", type=int, nargs="+", help="matmul row counts (default: the plan's)")
+    parser.add_argument("--matmul-shapes", nargs="+", help="the matmul section's weights (default: the plan's)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="no new row starts after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for bench_exact.json")
     args = parser.parse_args(argv)
     tiny = args.tiny or _dry()
     plan = tiny_plan() if tiny else qwen3_8b_plan()
+    plan = dataclasses.replace(plan, matmul_rows=tuple(args.matmul_rows or plan.matmul_rows),
+                               matmul_shapes=tuple(args.matmul_shapes or plan.matmul_shapes))
     # bf16 as served; on the CPU too, since the exact kernels run there in the interpreter.
     dtype = jnp.bfloat16
     head_dims = (plan.models.target.head_dim,)

@@ -140,7 +140,9 @@ def test_exact_engine_speculation_is_spec_off_bit_for_bit_in_bfloat16():
 def test_bench_exact_dry_run(tmp_path):
     """eagle3_jax_bench/exact.py at tiny shapes: every section runs and reports; its exact agreement row is
     the engine test's run (compiled once in this process)."""
-    assert bench_exact.main(["--tiny", "--out", str(tmp_path), "--tunings", '[{"block_n": 16}]']) == 0
+    # block_n 8 is refused by the kernel's config: a row of its own, and the sweep goes on.
+    assert bench_exact.main(["--tiny", "--out", str(tmp_path), "--tunings", '[{"block_n": 16}, {"block_n": 8}]',
+                             "--matmul-shapes", "wo", "lm_head"]) == 0
     results = json.loads((tmp_path / "bench_exact.json").read_text())
     assert results["skipped"] == []
     assert {(r["batch"], r["exact"]) for r in results["step"]} == {(3, False), (3, True)}
@@ -150,5 +152,8 @@ def test_bench_exact_dry_run(tmp_path):
     assert matmuls == {(w, 4, impl, t) for w in ("wo", "lm_head")
                        for impl, t in (("xla", "null"), ("pallas", "{}"), ("pallas", '{"block_n": 16}'))}
     assert all(r["rel_err"] < 2e-2 for r in results["matmul"] if r["impl"] == "pallas")
+    refused = results["matmul_refused"]
+    assert [(r["weight"], r["tuning"]) for r in refused] == [("wo", {"block_n": 8}), ("lm_head", {"block_n": 8})]
+    assert all("block_n=8" in r["error"] for r in refused)
     exact_rows = [r for r in results["agreement"] if r["exact"]]
     assert len(exact_rows) == 1 and exact_rows[0]["identical"] == 3
