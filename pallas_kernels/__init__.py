@@ -85,11 +85,11 @@ from pallas_kernels.attention import (
     prefill_attention,
 )
 from pallas_kernels.invariant_attention import InvariantConfig, invariant_attention
-from pallas_kernels.moe_experts import ExpertsConfig, moe_experts
-from pallas_kernels.moe_experts import unsupported as moe_experts_unsupported
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 from pallas_kernels.prefill_attention_mgpu import unsupported as mosaic_prefill_unsupported
 from pallas_kernels.rope_cache_write import rope_cache_write
+from pallas_kernels.routed_experts import ExpertsConfig, moe_experts
+from pallas_kernels.routed_experts import unsupported as moe_experts_unsupported
 from pallas_kernels.skinny_matmul import SkinnyConfig, skinny_matmul, skinny_matmul_reference
 
 __all__ = [

@@ -119,14 +119,14 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
 PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel}
 
 
-def choose_path(tokens: int, hidden: int, intermediate: int, dtype, kernels: str) -> str:
+def choose_path(tokens: int, dtype, kernels: str) -> str:
     """The expert path for a step of `tokens` rows: with the Pallas kernels (the GPU's), the expert kernel
     up to KERNEL_MAX_TOKENS rows where it takes the shapes, else (and with XLA's) gathered up to
     GATHER_MAX_TOKENS, grouped past them. A kernel refusing a shape is logged once with the path taken."""
     xla_path = "gathered" if tokens <= GATHER_MAX_TOKENS else "grouped"
     if not kernels_lib.experts_in_pallas(kernels) or tokens > KERNEL_MAX_TOKENS:
         return xla_path
-    reason = pallas_kernels.moe_experts_unsupported(tokens, hidden, intermediate, dtype)
+    reason = pallas_kernels.moe_experts_unsupported(tokens, dtype)
     if reason:
         _log_once(f"MoE expert kernel cannot take {reason}; the {xla_path} path runs instead")
         return xla_path
@@ -146,7 +146,7 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto",
     flat = x.reshape(B * T, D)
     weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if path == "auto":
-        path = choose_path(B * T, D, cfg.moe_intermediate_size, x.dtype, kernels)
+        path = choose_path(B * T, x.dtype, kernels)
     with jax.named_scope(f"moe_{path}"):
         return PATHS[path](flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
 

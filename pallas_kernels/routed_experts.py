@@ -55,12 +55,10 @@ class ExpertsConfig:
                 raise ValueError(f"{name}={value} must be a power of 2 >= 16")
 
 
-def unsupported(rows: int, hidden: int, intermediate: int, dtype) -> str | None:
+def unsupported(rows: int, dtype) -> str | None:
     """Why the kernel cannot take these shapes (None when it can): the caller falls back or refuses."""
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows (the expert kernel takes 1 to {MAX_ROWS})"
-    if hidden < 16 or intermediate < 16:
-        return f"hidden {hidden} and moe_intermediate {intermediate} (the expert kernel needs both >= 16)"
     if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
         return f"dtype {jnp.dtype(dtype).name} (the expert kernel takes bfloat16, float16, float32)"
     return None
@@ -78,8 +76,8 @@ def _window(i, block: int, n: int):
 
 
 def _block(block: int, n: int) -> int:
-    """A tuning's block, capped at n rounded up to a power of 2."""
-    return min(block, _common.next_power_of_2(n))
+    """A tuning's block, capped at n rounded up to a power of 2 (and at least 16, Triton's smallest dot)."""
+    return min(block, max(16, _common.next_power_of_2(n)))
 
 
 def _gate_up_kernel(slots_ref, count_ref, x_ref, w_ref, h_ref, *, rows, block_i, block_k, precision):
@@ -175,7 +173,7 @@ def moe_experts(x, combine, slots, count, w_gate_up, w_down, *, interpret: bool 
     if (D2, w_down.shape) != (D, (E, D, I)) or combine.shape != (slots.shape[0], M) or count.shape != (1,):
         raise ValueError(f"shapes do not fit: x {x.shape}, combine {combine.shape}, slots {slots.shape}, "
                          f"count {count.shape}, w_gate_up {w_gate_up.shape}, w_down {w_down.shape}")
-    reason = unsupported(M, D, I, x.dtype)
+    reason = unsupported(M, x.dtype)
     if reason:
         raise ValueError(f"moe_experts cannot take {reason}")
     if not x.dtype == w_gate_up.dtype == w_down.dtype:
