@@ -32,7 +32,7 @@ from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
 
-from . import dense, presets, steps
+from . import dense, moe_layer, presets, steps
 from .core import Run, compile_timed, import_absl_library, time_chain
 from .inputs import normal, random_cache
 
@@ -52,7 +52,7 @@ class MoePlan:
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 3, 4, 8, 32))
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64))
 
 
 def tiny_plan() -> MoePlan:
@@ -184,7 +184,7 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
 
 def _expert_paths() -> tuple[dict, dict]:
     """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
-    paths = {"gathered": moe.experts_gathered, "grouped": moe.experts_grouped}
+    paths = dict(moe.PATHS)  # gathered, grouped, and the expert kernel (interpreted off the GPU)
     extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
     if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
         extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
@@ -227,6 +227,20 @@ def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) 
                          "distinct_experts_per_layer": float(distinct.mean())}
                 run.row("experts", entry, seconds, read, compile_s)
     del swapped
+
+
+def experts_only(run: Run, plan: MoePlan, kernels: str, dtype, routing_first: str) -> dict:
+    """`--experts-only`: the ceilings, one decoder layer's ops at batch 1 (moe_layer.py), then the experts
+    section, on random weights for the plan's MoE layers only (not the whole target: minutes less to build)."""
+    base = plan.base
+    target = dataclasses.replace(base.target, num_layers=plan.ffn_layers)
+    s = dense.setup(run, dataclasses.replace(base, target=target), (kernels,), dtype)
+    run.results["routing_used"] = {"experts_section_first": routing_first}
+    run.ceilings(base.copy_bytes, None)
+    sparse = [i for i in range(target.num_layers) if target.is_sparse(i)]
+    moe_layer.layer_ops(run, s.tparams, target, sparse, kernels, base.reps, base.inner)
+    experts(run, s, plan, (routing_first,) + tuple(r for r in ROUTINGS if r != routing_first))
+    return run.results
 
 
 def projection(run: Run, s: dense.Setup) -> None:
@@ -274,6 +288,9 @@ def summary(results: dict) -> str:
                      + json.dumps(results["routing"]["mean_distinct_experts_per_layer"]))
     lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
+    for r in results.get("layer_ops", []):
+        lines.append(f"layer op {r['op']:18s} {r['time_ms'] * 1e3:9.1f} us  floor {r['floor_ms'] * 1e3:8.1f} us  "
+                     f"x{r['ratio']:7.2f}  (batch 1, {r.get('expert_path', '')})")
     for r in results.get("experts", []):
         label = f"experts {r.get('routing', ''):6s} t={r['tokens']:<3d} {r['path']:16s}"
         if "error" in r:
