@@ -131,10 +131,33 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     all_experts = cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
     assert results["decode"][0]["bytes_read"] < all_experts  # 4 of 16 experts per layer, not all
     experts = results["experts"]
-    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS
-                                                              for p in ("gathered", "grouped", "grouped_in_out")}
+    paths = ("gathered", "grouped", "kernel", "grouped_in_out")
+    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS for p in paths}
     projection = results["projection"]["batch_1"]
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
+
+
+def test_moe_bench_experts_only(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes, one token: one decoder layer's ops and
+    every expert path, each against its floor; the op rows' bytes add up to the layer's."""
+    import dataclasses
+
+    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,))
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
+    args = ["--tiny", "--model", "qwen3-30b-a3b", "--experts-only", "--out", str(tmp_path), "--kernels", "xla"]
+    assert bench.main(args) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == [] and "decode" not in results
+    ops = {r["op"]: r for r in results["layer_ops"]}
+    assert set(ops) == {"norm", "attention", "router_topk", "experts", "moe_mlp", "layer", "final_norm_lm_head"}
+    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
+    parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
+    assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"
+    cfg = plan.base.target
+    assert ops["experts"]["bytes_read"] == moe.expert_bytes(cfg, 4) * cfg.moe.num_experts_per_tok
+    paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
+    assert paths == {"gathered", "grouped", "kernel", "grouped_in_out"}
+    assert all(r["ratio"] > 0 for r in results["experts"])
 
 
 def test_synthetic_routing_and_the_tau_model():
