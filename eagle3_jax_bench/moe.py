@@ -112,12 +112,21 @@ def _ffn_stack(layers, ids, weights, x, *, path):
     return x, None
 
 
+@functools.cache
+def _import_tokamax() -> tuple[object | None, str]:
+    """(tokamax, "") or (None, why not): not installed, or an import that fails (a dependency missing or
+    of another version where it was installed as wheels); recorded, never fatal."""
+    try:
+        return import_absl_library("tokamax"), ""
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def tokamax_paths() -> dict:
     """tokamax's grouped GEMMs as expert paths, on [E, in, out] weights (the only layout its Triton and
-    Mosaic GPU kernels take); {} when tokamax is not installed."""
-    try:
-        tokamax = import_absl_library("tokamax")
-    except ImportError:
+    Mosaic GPU kernels take); {} when tokamax cannot be imported."""
+    tokamax, _ = _import_tokamax()
+    if tokamax is None:
         return {}
 
     def run(impl):
@@ -182,9 +191,15 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
     return dataclasses.replace(s, target_read=target_read)
 
 
+# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults.
+KERNEL_TUNINGS = {"kernel_i64_d32": {"block_i": 64, "block_d": 32}, "kernel_k128_s4": {"block_k": 128, "num_stages": 4}}
+
+
 def _expert_paths() -> tuple[dict, dict]:
     """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
     paths = dict(moe.PATHS)  # gathered, grouped, and the expert kernel (interpreted off the GPU)
+    if jax.default_backend() == "gpu":
+        paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
     extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
     if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
         extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
@@ -236,6 +251,8 @@ def experts_only(run: Run, plan: MoePlan, kernels: str, dtype, routing_first: st
     target = dataclasses.replace(base.target, num_layers=plan.ffn_layers)
     s = dense.setup(run, dataclasses.replace(base, target=target), (kernels,), dtype)
     run.results["routing_used"] = {"experts_section_first": routing_first}
+    tokamax, why_not = _import_tokamax()
+    run.results["tokamax"] = {"version": getattr(tokamax, "__version__", None), "not_imported": why_not}
     run.ceilings(base.copy_bytes, None)
     sparse = [i for i in range(target.num_layers) if target.is_sparse(i)]
     moe_layer.layer_ops(run, s.tparams, target, sparse, kernels, base.reps, base.inner)
@@ -289,6 +306,9 @@ def summary(results: dict) -> str:
     lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
     for r in results.get("layer_ops", []):
+        if "error" in r:
+            lines.append(f"layer op {r['op']:18s} not run: {r['error'][:100]}")
+            continue
         lines.append(f"layer op {r['op']:18s} {r['time_ms'] * 1e3:9.1f} us  floor {r['floor_ms'] * 1e3:8.1f} us  "
                      f"x{r['ratio']:7.2f}  (batch 1, {r.get('expert_path', '')})")
     for r in results.get("experts", []):
@@ -306,7 +326,7 @@ def summary(results: dict) -> str:
             lines.append(f"projection {key} (spec-off {p['spec_off_ms']:.2f} ms, {proj['tau_model']}): {per}; "
                          f"best gamma {p['best_gamma']} ({p['best_speedup']:.2f}x)")
     if not tokamax_paths():
-        lines.append("tokamax: not installed, its ragged_dot not measured")
+        lines.append(f"tokamax: not imported ({_import_tokamax()[1]}), its ragged_dot not measured")
     lines.append("tokamax.gated_linear_unit: not measured (a dense GLU with no expert dimension: it does not "
                  "apply to routed experts without first gathering them)")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import pallas_kernels
 from eagle3_jax_bench import bench, checks, dense, moe, profile, sampling
 from eagle3_jax_bench.core import Run
 
@@ -158,6 +159,7 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
     assert paths == {"gathered", "grouped", "kernel", "grouped_in_out"}
     assert all(r["ratio"] > 0 for r in results["experts"])
+    assert all(pallas_kernels.ExpertsConfig(**t) for t in moe.KERNEL_TUNINGS.values())  # timed on the GPU only
 
 
 def test_synthetic_routing_and_the_tau_model():

@@ -244,18 +244,16 @@ def kernel_case(M, E, D, Ie, top_k, dtype, seed=0):
 @pytest.mark.parametrize("M,E,D,Ie,top_k", [(1, 16, 64, 32, 4), (3, 6, 40, 24, 3), (17, 8, 32, 80, 2)])
 def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
     """pallas_kernels.moe_experts (interpreted) in float32 against the dense reference: one token (no padded
-    slot), 3 tokens over 6 experts (slots padded: 9 > 6) with D and I not multiples of the blocks, 17 rows
-    (padded to 32); each also with 16-wide blocks (several programs per expert, several K steps, the last
-    one partial); in bfloat16 against the gathered path."""
+    slot), 3 tokens over 6 experts (slots padded: 9 > 6) with D and I not multiples of the blocks, also with
+    16-wide blocks (several programs per expert, several K steps, the last one partial), 17 rows (padded to
+    32); in bfloat16 against the gathered path."""
     x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
     got = moe.experts_kernel(x, weights, ids, w_gate_up, w_down)
     assert np.isfinite(np.asarray(got)).all() and rel_err(got, ref) < 1e-5
-    slots, combine = moe.routed_slots(weights, ids, E)
-    count = jnp.sum(slots < E, keepdims=True).astype(jnp.int32)
-    small = pallas_kernels.moe_experts(x, combine.T, slots, count, w_gate_up, w_down, interpret=True,
-                                       block_i=16, block_d=16, block_k=16)
-    assert rel_err(small, ref) < 1e-5
+    if M == 3:
+        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16)
+        assert rel_err(small, ref) < 1e-5
     low = [a.astype(jnp.bfloat16) for a in (x, weights, w_gate_up, w_down)]
     got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3])
     assert got.dtype == jnp.bfloat16

@@ -79,14 +79,15 @@ def experts_gathered(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up
 
 
 def experts_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
+                   w_down: jax.Array, **tuning) -> jax.Array:
     """x [M, D], routing [M, k] -> [M, D] through pallas_kernels.moe_experts: each distinct routed expert's
-    weights streamed once from where they are stored, no gathered copy (interpreted off the GPU)."""
+    weights streamed once from where they are stored, no gathered copy (interpreted off the GPU). tuning:
+    fields of pallas_kernels.ExpertsConfig (the benchmark times other tunings through it)."""
     E = w_gate_up.shape[0]
     slots, combine = routed_slots(weights, ids, E)
     count = jnp.sum(slots < E, keepdims=True).astype(jnp.int32)
     return pallas_kernels.moe_experts(x, combine.T, slots, count, w_gate_up, w_down,
-                                      interpret=kernels_lib.interpret())
+                                      interpret=kernels_lib.interpret(), **tuning)
 
 
 _RAGGED = jax.lax.RaggedDotDimensionNumbers(
