@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
     is_moe = args.model == "qwen3-30b-a3b"
-    if (args.routing is not None or args.experts_only) and not is_moe:
-        parser.error("--routing and --experts-only are for --model qwen3-30b-a3b")
+    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only)):
+        if given and not is_moe:
+            parser.error(f"{flag} is for --model qwen3-30b-a3b")
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"

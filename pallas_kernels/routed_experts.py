@@ -1,8 +1,8 @@
 """The routed experts of a Qwen3-MoE layer for few rows (decode and verify), each routed expert's weights
 streamed once, straight from the stored [E, 2I, D] / [E, D, I] arrays: no gathered copy of the weights.
 
-Inputs come from the routing: `slots` [S] the distinct routed expert ids in increasing order, padded with E
-(no expert); `count` [1] how many are real; `combine` [S, M] each row's routing weight on each slot (zero
+Inputs come from the routing: `slots` [S] the distinct routed expert ids, padded at the end with E (no
+expert); `count` [1] how many are real; `combine` [S, M] each row's routing weight on each slot (zero
 where the row did not choose it). On the GPU there is no scalar prefetch into an index map, so the expert
 ids are an input ref and each program indexes the weight ref with its expert id; the padded slots' programs
 load nothing.
@@ -11,7 +11,7 @@ Two pallas_calls, neither with atomics:
   1. grid (slot, block of I): the program streams its expert's gate and up rows [block_i, D] once and
      writes SwiGLU(x gate^T, x up^T) for every row: h [S, M, I] in float32 (a few KiB per slot).
   2. grid (block of D,): the program walks the real slots in order, streams each expert's down rows
-     [block_d, I] once and accumulates combine[s, m] * h[s] down^T in float32 for every row, so the sum
+     [block_d, I] once and accumulates (combine[s, m] h[s, m]) down^T in float32 for every row, so the sum
      over experts stays inside one program.
 Every row is multiplied by every slot's expert (a row's zero combine weight drops the ones it did not
 choose): M x S rows of a matvec, free while a step of few rows is bound by the weights' bytes.
@@ -116,23 +116,22 @@ def _down_kernel(slots_ref, count_ref, combine_ref, h_ref, w_ref, o_ref, *, rows
     I = h_ref.shape[2]
     row, in_rows = _row_window(rows), jnp.arange(rows) < M
     out_cols, in_d = _window(pl.program_id(0), block_d, D)
+    steps = pl.cdiv(I, block_k)
 
-    def slot(s, acc):
-        e = slots_ref[s]
-
-        def step(k, y):
-            cols, in_k = _window(k, block_k, I)
-            h = pltriton.load(h_ref.at[s, row, cols], mask=in_rows[:, None] & in_k[None, :],
-                              other=jnp.zeros((), h_ref.dtype))
-            w = pltriton.load(w_ref.at[e, out_cols, cols], mask=in_d[:, None] & in_k[None, :],
-                              other=jnp.zeros((), w_ref.dtype))
-            return y + pltriton.dot(h.astype(w.dtype), w, trans_b=True, precision=precision)
-
-        y = lax.fori_loop(0, pl.cdiv(I, block_k), step, jnp.zeros((rows, block_d), jnp.float32))
+    # One loop over (slot, K step) pairs, so Triton pipelines the weight loads across experts too; each row's
+    # activations are scaled by its combine weight before the dot (the sum over slots is linear).
+    def step(i, acc):
+        s, k = lax.div(i, jnp.int32(steps)), lax.rem(i, jnp.int32(steps))  # i >= 0: no sign fix-up (jnp's %)
+        cols, in_k = _window(k, block_k, I)
+        h = pltriton.load(h_ref.at[s, row, cols], mask=in_rows[:, None] & in_k[None, :],
+                          other=jnp.zeros((), h_ref.dtype))
         weight = pltriton.load(combine_ref.at[s, row], mask=in_rows, other=jnp.zeros((), combine_ref.dtype))
-        return acc + weight.astype(jnp.float32)[:, None] * y
+        w = pltriton.load(w_ref.at[slots_ref[s], out_cols, cols], mask=in_d[:, None] & in_k[None, :],
+                          other=jnp.zeros((), w_ref.dtype))
+        h = (h * weight.astype(jnp.float32)[:, None]).astype(w.dtype)
+        return acc + pltriton.dot(h, w, trans_b=True, precision=precision)
 
-    acc = lax.fori_loop(0, count_ref[0], slot, jnp.zeros((rows, block_d), jnp.float32))
+    acc = lax.fori_loop(0, count_ref[0] * steps, step, jnp.zeros((rows, block_d), jnp.float32))
     pltriton.store(o_ref.at[row, out_cols], acc.astype(o_ref.dtype), mask=in_rows[:, None] & in_d[None, :])
 
 

@@ -36,6 +36,7 @@ def test_bench_smoke(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
     (["--routing", "local"], "--routing is for --model qwen3-30b-a3b"),
+    (["--experts-only"], "--experts-only is for --model qwen3-30b-a3b"),
     (["--model", "qwen3-30b-a3b", "--kernels", "xla", "pallas"], "measures one --kernels choice"),
 ])
 def test_bench_refuses_bad_flags(capsys, argv, message):

@@ -57,9 +57,12 @@ def _swiglu(h: jax.Array) -> jax.Array:
 
 
 def routed_slots(weights: jax.Array, ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """Routing [M, k] -> (slots [S], combine [M, S]): the S = min(M k, E) distinct ids in increasing order,
-    padded with E (no expert), and each token's weight on each slot (zero where it did not choose it)."""
+    """Routing [M, k] -> (slots [S], combine [M, S]): the S = min(M k, E) distinct ids, padded with E (no
+    expert), and each token's weight on each slot (zero where it did not choose it). One token's k choices
+    are distinct already: its slots are its ids as routed (no sort); more tokens' are sorted (jnp.unique)."""
     M, k = ids.shape
+    if M == 1:
+        return ids[0], weights
     slots = jnp.unique(ids.reshape(-1), size=min(M * k, num_experts), fill_value=num_experts)
     return slots, jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))
 
