@@ -311,6 +311,9 @@ def summary(results: dict) -> str:
             continue
         lines.append(f"layer op {r['op']:18s} {r['time_ms'] * 1e3:9.1f} us  floor {r['floor_ms'] * 1e3:8.1f} us  "
                      f"x{r['ratio']:7.2f}  (batch 1, {r.get('expert_path', '')})")
+        top = list(r.get("kernels_us_per_application", {}).items())[:6]
+        if top:
+            lines.append("    kernels (us): " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in top))
     for r in results.get("experts", []):
         label = f"experts {r.get('routing', ''):6s} t={r['tokens']:<3d} {r['path']:16s}"
         if "error" in r:

@@ -4,7 +4,7 @@ weights of the run's MoE layers REPEAT times over (the output of one application
 so the launches queue back to back and a row's time per application is the GPU's, not the host's); then
 the router with the experts (moe_mlp), the whole layer, and the final norm with lm_head (one application).
 Each row against the bytes it must read over the copy rate. The op rows summed against the layer row show
-what launches between them cost; on the GPU the layer's kernels (jax.profiler) name what runs.
+what launches between them cost; on the GPU the kernels of the PROFILED ops (jax.profiler) name what runs.
 
 The router row adds its weights' sum (scaled) to the state to chain; the experts row takes routing fixed
 ahead (k distinct random experts); attention writes into a cache that is not donated (XLA copies it, a few
@@ -26,6 +26,7 @@ from .inputs import normal, random_cache
 
 REPEAT = 4
 KV_LENGTH = 1024
+PROFILED = ("experts", "moe_mlp", "layer")  # ops whose GPU kernels are listed (which kernel costs what)
 
 
 def _chain(per_layer, x, *, op, repeat):
@@ -102,8 +103,8 @@ def layer_ops(run: Run, params: dict, cfg, layers: list[int], kernels: str, reps
             run.add("layer_ops", {**entry, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         seconds, x = time_chain(compiled, x, (per_layer,), reps, inner)
-        if name == "layer":
-            entry["kernels_us_per_layer"], x = _kernel_us(compiled, per_layer, x, applications)
+        if name in PROFILED:
+            entry["kernels_us_per_application"], x = _kernel_us(compiled, per_layer, x, applications)
         run.row("layer_ops", entry, seconds / applications, reads[name], compile_s)
     head = jax.jit(lambda p, h: target_lib.logits(p, add_rms_norm(h, None, p["final_norm"], cfg.rms_norm_eps,
                                                                       kernels)[1], kernels))
@@ -115,7 +116,7 @@ def layer_ops(run: Run, params: dict, cfg, layers: list[int], kernels: str, reps
 
 
 def _kernel_us(compiled, per_layer, x, applications: int) -> tuple[dict, jax.Array]:
-    """({kernel: GPU microseconds per layer} of the chained layer, largest first ({} off the GPU), the state
+    """({kernel: GPU microseconds per application} of a chained op, largest first ({} off the GPU), the state
     it leaves: x is donated)."""
     holder = [x]
 

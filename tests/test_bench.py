@@ -6,7 +6,7 @@ import json
 import pytest
 
 import pallas_kernels
-from eagle3_jax_bench import bench, checks, dense, moe, profile, sampling
+from eagle3_jax_bench import bench, checks, dense, moe, moe_layer, profile, sampling
 from eagle3_jax_bench.core import Run
 
 
@@ -155,6 +155,7 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
     parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
     assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"
+    assert all(ops[name]["kernels_us_per_application"] == {} for name in moe_layer.PROFILED)  # a GPU trace only
     cfg = plan.base.target
     assert ops["experts"]["bytes_read"] == moe.expert_bytes(cfg, 4) * cfg.moe.num_experts_per_tok
     paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
