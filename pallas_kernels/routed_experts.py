@@ -9,7 +9,8 @@ load nothing.
 
 Two pallas_calls, neither with atomics:
   1. grid (slot, block of I): the program streams its expert's gate and up rows [block_i, D] once and
-     writes SwiGLU(x gate^T, x up^T) for every row: h [S, M, I] in float32 (a few KiB per slot).
+     writes SwiGLU(x gate^T, x up^T) for every row: h [S, M, I] in x's dtype (a few KiB per slot; rounded
+     as the gathered path rounds it, and half the shared memory of float32 in stage 2's pipeline).
   2. grid (block of D,): the program walks the real slots in order, streams each expert's down rows
      [block_d, I] once and accumulates (combine[s, m] h[s, m]) down^T in float32 for every row, so the sum
      over experts stays inside one program.
@@ -107,11 +108,11 @@ def _gate_up_kernel(slots_ref, count_ref, x_ref, w_ref, h_ref, *, rows, block_i,
         zeros = jnp.zeros((rows, block_i), jnp.float32)
         g, u = lax.fori_loop(0, pl.cdiv(D, block_k), step, (zeros, zeros))
         h = g / (1.0 + jnp.exp(-g)) * u
-        pltriton.store(h_ref.at[s, row, out_cols], h, mask=in_rows & in_i[None, :])
+        pltriton.store(h_ref.at[s, row, out_cols], h.astype(h_ref.dtype), mask=in_rows & in_i[None, :])
 
 
 def _down_kernel(slots_ref, count_ref, combine_ref, h_ref, w_ref, o_ref, *, rows, block_d, block_k, precision):
-    # combine_ref [S, M]; h_ref [S, M, I] f32; w_ref [E, D, I] whole; o_ref [M, D] whole
+    # combine_ref [S, M]; h_ref [S, M, I]; w_ref [E, D, I] whole; o_ref [M, D] whole
     M, D = o_ref.shape
     I = h_ref.shape[2]
     row, in_rows = _row_window(rows), jnp.arange(rows) < M
@@ -128,7 +129,7 @@ def _down_kernel(slots_ref, count_ref, combine_ref, h_ref, w_ref, o_ref, *, rows
         weight = pltriton.load(combine_ref.at[s, row], mask=in_rows, other=jnp.zeros((), combine_ref.dtype))
         w = pltriton.load(w_ref.at[slots_ref[s], out_cols, cols], mask=in_d[:, None] & in_k[None, :],
                           other=jnp.zeros((), w_ref.dtype))
-        h = (h * weight.astype(jnp.float32)[:, None]).astype(w.dtype)
+        h = (h.astype(jnp.float32) * weight.astype(jnp.float32)[:, None]).astype(w.dtype)
         return acc + pltriton.dot(h, w, trans_b=True, precision=precision)
 
     acc = lax.fori_loop(0, count_ref[0] * steps, step, jnp.zeros((rows, block_d), jnp.float32))
@@ -149,7 +150,7 @@ def _experts(x, combine, slots, count, w_gate_up, w_down, *, config, interpret):
         functools.partial(_gate_up_kernel, rows=rows, block_i=block_i, block_k=_block(config.block_k, D),
                           precision=precision),
         grid=(S, pl.cdiv(I, block_i)),
-        out_shape=jax.ShapeDtypeStruct((S, M, I), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((S, M, I), x.dtype),
         compiler_params=params, interpret=interpret, name="moe_gate_up",
     )(slots, count, x, w_gate_up)
     return pl.pallas_call(
