@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
+    parser.add_argument("--experts-only", action="store_true",
+                        help="MoE: only the ceilings, one decoder layer's ops and the expert paths, on the "
+                             "experts section's layers alone")
     return parser
 
 
@@ -120,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
     is_moe = args.model == "qwen3-30b-a3b"
-    if args.routing is not None and not is_moe:
-        parser.error("--routing is for --model qwen3-30b-a3b")
+    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only)):
+        if given and not is_moe:
+            parser.error(f"{flag} is for --model qwen3-30b-a3b")
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_moe:
         plan = moe.tiny_plan() if tiny else moe.qwen3_30b_a3b_plan()
         run = _start(args, plan.base, kernels[:1], dtype, out, tiny)
+        if args.experts_only:
+            moe.experts_only(run, plan, kernels[0], dtype, args.routing or "random")
+            return _finish(run, moe.summary(run.results))
         s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
         moe.run_all(run, s, plan, args.routing or "random")
         return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
