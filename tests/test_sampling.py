@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle3_jax.decoding import sampling
+from eagle3_jax.decoding import candidate_filter, sampling
 
 
 def transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -23,11 +23,18 @@ def transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p
 
 
 def ours(logits: np.ndarray, temperature, top_k, top_p) -> np.ndarray:
+    """The filter over the rows, in two calls: the rows the candidate filter takes (top_k in [1, K]) apart from
+    the others, so that each path is checked (a call with one row of the others takes the radix search)."""
     rows = len(logits)
     t, k, p = (np.broadcast_to(np.asarray(x), (rows,)) for x in (temperature, top_k, top_p))
     fn = jax.jit(sampling.filtered_probs)
-    return np.asarray(fn(jnp.asarray(logits, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                         jnp.asarray(p, jnp.float32)))
+    out = np.zeros(logits.shape, np.float32)
+    by_candidates = (k >= 1) & (k <= min(candidate_filter.K, logits.shape[-1]))
+    for group in (by_candidates, ~by_candidates):
+        if group.any():
+            out[group] = fn(jnp.asarray(logits[group], jnp.float32), jnp.asarray(t[group], jnp.float32),
+                            jnp.asarray(k[group], jnp.int32), jnp.asarray(p[group], jnp.float32))
+    return out
 
 
 def check_rows(logits, settings, atol=1e-6):
@@ -102,6 +109,14 @@ def test_top_p_ties_at_the_boundary(monkeypatch):
     assert split >= 10  # the cases do cut through tied groups
 
 
+def as_filtered(p):
+    """Distributions p [R, V] (every entry > 0) as a `sampling.Filtered` that keeps every token."""
+    logits = jnp.log(p)
+    top = jnp.max(logits, axis=-1)
+    return sampling.Filtered(logits, jnp.full(top.shape, -jnp.inf), jnp.zeros(top.shape, jnp.int32), top,
+                             jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
+
+
 def test_verify_stops_for_room_with_a_draw_from_p_not_the_residual():
     """When the cache has room for fewer drafts than were proposed, the round stops after them without a
     rejection: the next token comes from p there. 100,000 rounds of fixed p and q in one call."""
@@ -115,7 +130,7 @@ def test_verify_stops_for_room_with_a_draw_from_p_not_the_residual():
     @jax.jit
     def run(room):
         pb, qb = (jnp.broadcast_to(x, (N,) + x.shape) for x in (p, q))
-        return sampling.verify(keys, pb, drafts, qb, room)
+        return sampling.verify(keys, as_filtered(pb.reshape(N * (G + 1), V)), drafts, qb, room)
 
     for room in (0, 1):
         accepted, tokens = run(jnp.full((N,), room, jnp.int32))

@@ -28,6 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import candidate_filter
+
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
 _NO_TIE = 2**31 - 1  # tie id of a row that keeps none of the tokens at its cut
@@ -70,6 +72,17 @@ class Filtered:
     def probs(self) -> jax.Array:
         weights = jnp.where(self.keep(), jnp.exp(self.logits - self.top[:, None]), 0.0)
         return weights / self.total[:, None]
+
+    def prob(self, rows: jax.Array, ids: jax.Array) -> jax.Array:
+        """The filtered probability of token ids[...] in row rows[...] (same shapes): one logit read each."""
+        x = self.logits[rows, ids]
+        cut = self.cut[rows]
+        kept = (x > cut) | ((x == cut) & (ids >= self.tie_id[rows]))
+        return jnp.where(kept, jnp.exp(x - self.top[rows]) / self.total[rows], 0.0)
+
+    def rows(self, rows: jax.Array) -> Filtered:
+        """The rows rows [B] of this filter, as their own `Filtered`."""
+        return jax.tree.map(lambda a: a[rows], self)
 
 
 # ----------------------------------------------------------------------------- filters
@@ -146,14 +159,19 @@ def _radix_filter(x, top_k, top_p):
 
 def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
-    the tempered distribution (transformers' order). A greedy row (temperature 0) is filtered at
+    the tempered distribution (transformers' order). When every sampled row has top_k in [1, K]
+    (candidate_filter.py) the cuts come from each row's K largest logits, else from the radix search; both
+    are exact, so which one ran does not change the result. A greedy row (temperature 0) is filtered at
     temperature 1; its result is not used."""
     greedy = temperature <= 0
     # One buffer of tempered logits for every use: XLA may otherwise recompute the division in each fusion
     # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
     # taken from one copy could miss its own token in another.
     x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
-    return Filtered(x, *_radix_filter(x, top_k, top_p))
+    from_candidates, exact = candidate_filter.filter_rows(x, top_k, top_p)
+    # One program for every mix of settings: the radix search runs only when a sampled row needs it.
+    needs_radix = jnp.any(~greedy & ~exact)
+    return Filtered(x, *jax.lax.cond(needs_radix, lambda: _radix_filter(x, top_k, top_p), lambda: from_candidates))
 
 
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -209,24 +227,26 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.maximum(p - q, 0.0)
 
 
-def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
+def verify(keys, p: Filtered, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
            q_ids: jax.Array | None = None):
     """Speculative sampling for one round of B rows (Leviathan et al., Chen et al.).
 
-    p [B, G + 1, V]: the target's filtered distribution after each of [x_n, d_1 .. d_G]; drafts [B, G]
-    (target ids) drawn from q; room [B]: the most drafts the cache can take. q is None for argmax drafts
-    (q one-hot at the draft: nothing is built for it), else [B, G, Vq] over the token ids q_ids [Vq]
-    (distinct; None: the whole vocabulary), so a drafter's q on its draft vocabulary is never spread over
-    the target's. Draft i is accepted with probability min(1, p_i / q_i) until the first rejection, which
-    samples from normalise(max(p - q, 0)) there; when every considered draft is accepted (all G, or the
-    room's worth) the next token comes from p. Lossless for any q: each emitted token is distributed as p.
-    Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled token, then padding).
+    p: the target's filter over B (G + 1) rows, row b (G + 1) + i after token i of [x_n, d_1 .. d_G] of
+    batch row b; it is read only at the drafts and over the one row the round's last token is drawn from.
+    drafts [B, G] (target ids) drawn from q; room [B]: the most drafts the cache can take. q is None for
+    argmax drafts (q one-hot at the draft: nothing is built for it), else [B, G, Vq] over the token ids
+    q_ids [Vq] (distinct; None: the whole vocabulary), so a drafter's q on its draft vocabulary is never
+    spread over the target's. Draft i is accepted with probability min(1, p_i / q_i) until the first
+    rejection, which samples from normalise(max(p - q, 0)) there; when every considered draft is accepted
+    (all G, or the room's worth) the next token comes from p. Lossless for any q: each emitted token is
+    distributed as p. Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled
+    token, then padding).
     """
     B, G = drafts.shape
-    V = p.shape[-1]
+    V = p.logits.shape[-1]
     rows = jnp.arange(B)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
-    p_x = jnp.take_along_axis(p[:, :G], drafts[:, :, None], axis=-1)[..., 0]
+    p_x = p.prob(rows[:, None] * (G + 1) + jnp.arange(G)[None, :], drafts)
     if q is None:
         q_x = jnp.ones_like(p_x)
     elif q_ids is None:
@@ -237,12 +257,12 @@ def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax
     considered = jnp.clip(room, 0, G)  # drafts beyond the room are never judged: a stop there draws from p
     accepted = jnp.minimum(leading, considered)
     rejected = leading < considered
-    p_a = p[rows, accepted]
+    p_a = p.rows(rows * (G + 1) + accepted).probs()
     judged = jnp.minimum(accepted, G - 1)  # q is read only where a draft was rejected
     if G == 0:
         q_a = jnp.zeros_like(p_a)
     elif q is None:
-        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p.dtype)
+        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p_a.dtype)
     elif q_ids is None:
         q_a = q[rows, judged]
     else:
