@@ -151,3 +151,46 @@ def test_row_keys_depend_only_on_seed_and_position(shape):
     draw = jax.vmap(lambda k: jax.random.uniform(k, shape))
     np.testing.assert_array_equal(draw(keys), draw(again))
     assert len({tuple(np.asarray(x).ravel()) for x in draw(keys)}) == 3
+
+
+def test_ties_past_the_candidates(monkeypatch):
+    """200 tokens tied at the top-k cut, spread over the row, more than the 64 candidates hold: top-k keeps
+    them all, and top-p cuts inside them (within the candidates and past them) or keeps them all. The kept
+    tokens and their probabilities are transformers' under a stable sort."""
+    rng = np.random.default_rng(5)
+    V = 1000
+    row = rng.uniform(-6.0, 0.0, V).astype(np.float32)
+    spots = rng.permutation(V)
+    row[spots[:10]] = rng.uniform(2.0, 4.0, 10)
+    row[spots[10:210]] = 1.0
+    settings = [(t, 20, p) for t in (1.0, 0.7) for p in (0.6, 0.8, 0.9, 0.97, 0.9999, 1.0)]
+    got = ours(np.repeat(row[None], len(settings), axis=0), *zip(*settings))
+    tied_kept = []
+    for g, (t, k, p) in zip(got, settings):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "sort", stable_sort(torch.sort))
+            want = transformers_probs(row, t, k, p)
+        np.testing.assert_array_equal(g > 0, want > 0, err_msg=f"{(t, k, p)}")
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-9, err_msg=f"{(t, k, p)}")
+        tied_kept.append(int(np.sum(g[spots[10:210]] > 0)))
+    assert min(tied_kept) < 54 < max(tied_kept)  # 54 tied tokens are candidates: cuts fall either side
+    assert any(54 < n < 200 for n in tied_kept) and 200 in tied_kept
+
+
+def test_rows_without_top_k_beside_rows_with_it():
+    """One call mixing top_k 0, top_k 20, top_k past the candidates and a greedy row takes the radix search
+    for every row: each row's result is transformers', and a top_k 20 row's is what the candidates give."""
+    rng = np.random.default_rng(6)
+    V = 3000
+    logits = (rng.standard_normal((5, V)) * 3).astype(np.float32)
+    settings = [(0.6, 20, 0.95), (1.0, 0, 0.9), (0.8, candidate_filter.K + 1, 0.99), (0.6, 20, 0.5), (0.0, 0, 1.0)]
+    t, k, p = (np.array(x) for x in zip(*settings))
+    fn = jax.jit(sampling.filtered_probs)
+    mixed = np.asarray(fn(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                          jnp.asarray(p, jnp.float32)))
+    for row, (ti, ki, pi), g in zip(logits[:4], settings[:4], mixed[:4]):
+        want = transformers_probs(row, ti, ki, pi)
+        np.testing.assert_array_equal(g > 0, want > 0, err_msg=f"{(ti, ki, pi)}")
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-9)
+    alone = ours(logits[[0, 3]], t[[0, 3]], k[[0, 3]], p[[0, 3]])
+    np.testing.assert_allclose(alone, mixed[[0, 3]], rtol=1e-6, atol=1e-12)
