@@ -1,5 +1,6 @@
 """`eagle3-jax bench --sampling-only`: a sampled round against a greedy round as the engine runs them (the
-aim: at most 3% more), and the engine's top-k / top-p filter against the textbook one sort per row."""
+aim: at most 3% more), spec off and at gamma 3, and the engine's top-k / top-p filter against the radix search
+alone and the textbook one sort per row."""
 
 from __future__ import annotations
 
@@ -52,15 +53,31 @@ def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str 
     return steps.engine_rounds(spec, s.tparams, s.dparams, state, s.rounds_per_call, s.plan.reps, s.plan.inner)
 
 
+def _filters() -> dict:
+    """The filters timed alone over [rows, V], each returning what the verify reads (bench field -> fn)."""
+    def engine(logits, t, k, p):  # candidates for top_k in [1, 64], the radix search otherwise
+        f = sampling_lib.filter_rows(logits, t, k, p)
+        return f.cut, f.tie_id, f.total
+
+    def radix(logits, t, k, p):  # the radix search alone, for every setting
+        return sampling_lib.radix_filter(logits / t[:, None], k, p)
+
+    def fallback(logits, t, k, p):  # the engine's filter when one row has no top-k: the radix branch
+        return engine(logits, t, k.at[0].set(0), p)
+
+    return {"filter_ms": engine, "filter_radix_ms": radix, "filter_fallback_ms": fallback,
+            "filter_sort_ms": sorted_filter}
+
+
 def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
-    """The sampled round for each proposal mode at Qwen3's generation_config settings (temperature 0.6,
-    top-k 20, top-p 0.95) and with top-p alone (temperature 1, top-p 0.95), against the greedy round. Then
-    the filter alone over the verify's logits [batch (gamma + 1), V] at Qwen3's settings, against one sort
-    per row."""
+    """The sampled round (gamma 0: the spec-off step) for each proposal mode at Qwen3's generation_config
+    settings (temperature 0.6, top-k 20, top-p 0.95) and with top-p alone (temperature 1, top-p 0.95: the
+    radix branch), against the greedy round. Then the filters alone over the verify's logits
+    [batch (gamma + 1), V] at Qwen3's settings (`_filters`), against one sort per row."""
     greedy = sampled_round(s, batch, gamma, kernels, None, None)
     entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": s.rounds_per_call,
              "greedy_ms": greedy.seconds * 1e3, "compile_s": {"greedy": greedy.compile_s}}
-    for proposal in engine_lib.PROPOSALS:
+    for proposal in engine_lib.PROPOSALS if gamma else ("argmax",):  # no drafts: nothing is proposed
         for label, settings in SETTINGS:
             timed = sampled_round(s, batch, gamma, kernels, proposal, settings)
             entry[f"{proposal}_{label}_ms"] = timed.seconds * 1e3
@@ -69,7 +86,7 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
     rows, V = batch * (gamma + 1), s.plan.target.vocab_size
     logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
     settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
-    for name, fn in (("filter_ms", sampling_lib.filtered_probs), ("filter_sort_ms", sorted_filter)):
+    for name, fn in _filters().items():
         compiled = jax.jit(fn).lower(logits, *settings).compile()
         entry[name] = time_pure(compiled, (logits, *settings), s.plan.reps, s.plan.inner) * 1e3
     run.add("sampling", entry)
@@ -83,5 +100,5 @@ def summary_lines(results: dict) -> list[str]:
         lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
                      f"(qwen3_defaults, then top_p_only) {rounds}")
         lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
-            f"{k[:-3]} {e[k]:.3f} ms" for k in ("filter_ms", "filter_sort_ms") if k in e))
+            f"{k[:-3]} {e[k]:.3f} ms" for k in _filters() if k in e))
     return lines

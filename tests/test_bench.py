@@ -99,12 +99,25 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     from eagle3_jax.decoding import sampling as sampling_lib
 
     run = Run(600, tmp_path, "bench.json")
-    sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
-    (entry,) = run.results["sampling"]
+    setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
+    for gamma in (0, 1):  # the spec-off step, a round
+        sampling.sampling(run, setup, 1, gamma, "xla")
+    spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
-    assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
+            assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
+    for e in (spec_off, entry):
+        assert e["greedy_ms"] > 0 and all(e[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
+                                                                "filter_sort_ms"))
+    assert len(sampling.summary_lines(run.results)) == 4
+    # The engine's filter and the radix search alone find the same cuts.
+    x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
+    t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
+    filters = sampling._filters()
+    engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
+    np.testing.assert_array_equal(engine[0], radix[0])
+    np.testing.assert_array_equal(engine[1], radix[1])
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
     np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),

@@ -144,8 +144,8 @@ def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arr
     return keep | (top_p[:, None] >= 1)
 
 
-def _radix_filter(x, top_k, top_p):
-    """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches."""
+def radix_filter(x, top_k, top_p):
+    """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches: exact for any settings."""
     keep_k = top_k_mask(x, top_k)
     x_k = jnp.where(keep_k, x, -jnp.inf)
     keep = keep_k & top_p_mask(x_k, jax.nn.softmax(x_k, axis=-1), top_p)
@@ -171,7 +171,7 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     from_candidates, exact = candidate_filter.filter_rows(x, top_k, top_p)
     # One program for every mix of settings: the radix search runs only when a sampled row needs it.
     needs_radix = jnp.any(~greedy & ~exact)
-    return Filtered(x, *jax.lax.cond(needs_radix, lambda: _radix_filter(x, top_k, top_p), lambda: from_candidates))
+    return Filtered(x, *jax.lax.cond(needs_radix, lambda: radix_filter(x, top_k, top_p), lambda: from_candidates))
 
 
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
