@@ -4,14 +4,15 @@ alone and the textbook one sort per row."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import candidate_filter, spec_round
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import sampling as sampling_lib
-from eagle3_jax.decoding import spec_round
 
 from . import steps
 from .core import Run, time_pure
@@ -53,6 +54,26 @@ def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str 
     return steps.engine_rounds(spec, s.tparams, s.dparams, state, s.rounds_per_call, s.plan.reps, s.plan.inner)
 
 
+def _candidates_only(logits, temperature, top_k, top_p) -> sampling_lib.Filtered:
+    """sampling.filter_rows without its radix branch: exact only while every row's top_k is in [1, 64]. Timed
+    in place of the engine's filter, it shows what the branch (a device-side lax.cond) costs a round."""
+    x = sampling_lib.tempered(logits, temperature)
+    return sampling_lib.Filtered(x, *candidate_filter.filter_rows(x, top_k, top_p)[0])
+
+
+@contextlib.contextmanager
+def _without_radix_branch():
+    """The engine's rounds traced with `_candidates_only` as the filter, within the block."""
+    original = sampling_lib.filter_rows
+    sampling_lib.filter_rows = _candidates_only
+    engine_lib.jit_rounds.clear_cache()
+    try:
+        yield
+    finally:
+        sampling_lib.filter_rows = original
+        engine_lib.jit_rounds.clear_cache()
+
+
 def _filters() -> dict:
     """The filters timed alone over [rows, V], each returning what the verify reads (bench field -> fn)."""
     def engine(logits, t, k, p):  # candidates for top_k in [1, 64], the radix search otherwise
@@ -83,6 +104,10 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
             entry[f"{proposal}_{label}_ms"] = timed.seconds * 1e3
             entry[f"{proposal}_{label}_extra"] = timed.seconds / greedy.seconds - 1
             entry["compile_s"].setdefault(proposal, timed.compile_s)  # new settings reuse the executable
+    with _without_radix_branch():
+        timed = sampled_round(s, batch, gamma, kernels, "argmax", SETTINGS[0][1])
+    entry["argmax_no_branch_ms"] = timed.seconds * 1e3
+    entry["argmax_no_branch_extra"] = timed.seconds / greedy.seconds - 1
     rows, V = batch * (gamma + 1), s.plan.target.vocab_size
     logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
     settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
@@ -98,7 +123,8 @@ def summary_lines(results: dict) -> list[str]:
         rounds = ", ".join(f"{p} {e[f'{p}_{label}_ms']:.3f} ms ({e[f'{p}_{label}_extra'] * 100:+.1f}%)"
                            for p in engine_lib.PROPOSALS for label, _ in SETTINGS if f"{p}_{label}_ms" in e)
         lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
-                     f"(qwen3_defaults, then top_p_only) {rounds}")
+                     f"(qwen3_defaults, then top_p_only) {rounds}; argmax without the radix branch "
+                     f"{e['argmax_no_branch_ms']:.3f} ms ({e['argmax_no_branch_extra'] * 100:+.1f}%)")
         lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
             f"{k[:-3]} {e[k]:.3f} ms" for k in _filters() if k in e))
     return lines

@@ -108,6 +108,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
             assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
     for e in (spec_off, entry):
+        assert e["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in e
         assert e["greedy_ms"] > 0 and all(e[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
                                                                 "filter_sort_ms"))
     assert len(sampling.summary_lines(run.results)) == 4
@@ -118,6 +119,10 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
     np.testing.assert_array_equal(engine[0], radix[0])
     np.testing.assert_array_equal(engine[1], radix[1])
+    alone = sampling._candidates_only(x, t, k, p)  # the no-branch rows' filter: the same cuts
+    np.testing.assert_array_equal(alone.cut, radix[0])
+    np.testing.assert_array_equal(alone.tie_id, radix[1])
+    assert sampling_lib.filter_rows is not sampling._candidates_only  # restored after the no-branch rows
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
     np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),

@@ -157,6 +157,14 @@ def radix_filter(x, top_k, top_p):
     return cut, tie_id, top, jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0), axis=-1)
 
 
+def tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """float32 logits [R, V] / temperature [R] (1 for a greedy row), as one buffer for every use: XLA may
+    otherwise recompute the division in each fusion that reads it, and the CPU's vectorised division rounds
+    differently from its scalar one, so a cut taken from one copy could miss its own token in another."""
+    scale = jnp.where(temperature <= 0, 1.0, temperature)
+    return jax.lax.optimization_barrier(logits.astype(jnp.float32) / scale[:, None])
+
+
 def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
     the tempered distribution (transformers' order). When every sampled row has top_k in [1, K]
@@ -164,10 +172,7 @@ def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     are exact, so which one ran does not change the result. A greedy row (temperature 0) is filtered at
     temperature 1; its result is not used."""
     greedy = temperature <= 0
-    # One buffer of tempered logits for every use: XLA may otherwise recompute the division in each fusion
-    # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
-    # taken from one copy could miss its own token in another.
-    x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
+    x = tempered(logits, temperature)
     from_candidates, exact = candidate_filter.filter_rows(x, top_k, top_p)
     # One program for every mix of settings: the radix search runs only when a sampled row needs it.
     needs_radix = jnp.any(~greedy & ~exact)
