@@ -6,13 +6,16 @@ Filters follow transformers' `generate` order (`TemperatureLogitsWarper`, then `
 array with one value per row, so a batch mixes settings and new values never recompile.
 
 What is kept. After both filters a row keeps the tokens whose tempered logit is above a cut, and of the
-tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row). The cuts
-come from a radix search over the logits' bit patterns, not a sort: a float32 maps to a uint32 key with
-the same order, and the key is settled 4 bits at a time, from the top, by one pass over the row that
-weighs 16 candidate thresholds at once (top-k counts the tokens at or above each candidate, top-p sums
-their probability). 8 passes fix a 32-bit key exactly: the threshold a sort would give, not an
-approximation. On the H200 the filter takes 0.26 ms over [4, 151936] rows and 1.03 ms over [32, 151936]
-(a sort per row: 0.33 and 1.19 ms), as XLA runs each pass as its own reduction (BENCHMARKS.md).
+tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row, from which a
+probability is one logit read and a row's distribution one elementwise pass). Two exact searches find the
+cuts. When every sampled row's top_k is in [1, 64], they come from each row's 64 largest logits
+(candidate_filter.py: a few passes over the row). Otherwise a radix search over the logits' bit patterns
+runs, a device-side branch: a float32 maps to a uint32 key with the same order, and the key is settled 4
+bits at a time, from the top, by one pass over the row that weighs 16 candidate thresholds at once (top-k
+counts the tokens at or above each candidate, top-p sums their probability). 8 passes fix a 32-bit key
+exactly: the threshold a sort would give, not an approximation. On the H200 the radix search takes 0.26 ms
+over [4, 151936] rows and 1.03 ms over [32, 151936] (a sort per row: 0.33 and 1.19 ms), as XLA runs each
+pass as its own reduction (BENCHMARKS.md).
 
 Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
 cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
