@@ -111,6 +111,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
         assert e["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in e
         assert e["greedy_ms"] > 0 and all(e[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
                                                                 "filter_sort_ms"))
+    assert entry["sample_no_branch_ms"] > 0 and "sample_no_branch_ms" not in spec_off
     assert len(sampling.summary_lines(run.results)) == 4
     # The engine's filter and the radix search alone find the same cuts.
     x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3

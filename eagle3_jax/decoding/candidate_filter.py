@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 K = 64  # candidates per row: rows with top_k in [1, K] are filtered from them
-BLOCK = 128  # tokens per block of the candidate search (Qwen3's 151,936 = 1,187 blocks)
+BLOCK = 64  # tokens per block: Qwen3's 151,936 are 2,374 blocks, the 64 chosen 4,096 tokens (two small sorts)
 
 
 def _blocks(x: jax.Array) -> jax.Array:
