@@ -123,11 +123,11 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
 def summary_lines(results: dict) -> list[str]:
     lines = []
     for e in results.get("sampling", []):
-        rounds = ", ".join(f"{p} {e[f'{p}_{label}_ms']:.3f} ms ({e[f'{p}_{label}_extra'] * 100:+.1f}%)"
+        rounds = ", ".join(f"{p} {label} {e[f'{p}_{label}_ms']:.3f} ms ({e[f'{p}_{label}_extra'] * 100:+.1f}%)"
                            for p in engine_lib.PROPOSALS for label in [lb for lb, _ in SETTINGS] + ["no_branch"]
                            if f"{p}_{label}_ms" in e)
         lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
-                     f"(qwen3_defaults, top_p_only, qwen3_defaults without the radix branch) {rounds}")
+                     f"{rounds} (no_branch: qwen3_defaults, the filter without its radix branch)")
         lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
             f"{k[:-3]} {e[k]:.3f} ms" for k in _filters() if k in e))
     return lines
