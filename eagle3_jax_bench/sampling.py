@@ -90,12 +90,12 @@ def _filters() -> dict:
             "filter_sort_ms": sorted_filter}
 
 
-def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
+def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str, no_branch: bool = True) -> None:
     """The sampled round (gamma 0: the spec-off step) for each proposal mode at Qwen3's generation_config
     settings (temperature 0.6, top-k 20, top-p 0.95) and with top-p alone (temperature 1, top-p 0.95: the
     radix branch), against the greedy round, and at Qwen3's settings without the radix branch
-    (`_without_radix_branch`). Then the filters alone over the verify's logits
-    [batch (gamma + 1), V] at Qwen3's settings (`_filters`), against one sort per row."""
+    (`_without_radix_branch`; no_branch False: not measured). Then, for a round (gamma > 0), the filters
+    alone over the verify's logits [batch (gamma + 1), V] at Qwen3's settings (`_filters`)."""
     greedy = sampled_round(s, batch, gamma, kernels, None, None)
     entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": s.rounds_per_call,
              "greedy_ms": greedy.seconds * 1e3, "compile_s": {"greedy": greedy.compile_s}}
@@ -106,11 +106,14 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
             entry[f"{proposal}_{label}_ms"] = timed.seconds * 1e3
             entry[f"{proposal}_{label}_extra"] = timed.seconds / greedy.seconds - 1
             entry["compile_s"].setdefault(proposal, timed.compile_s)  # new settings reuse the executable
-    for proposal in proposals:  # Qwen3's settings again, the filter without its branch
+    for proposal in proposals if no_branch else ():  # Qwen3's settings again, the filter without its branch
         with _without_radix_branch():
             timed = sampled_round(s, batch, gamma, kernels, proposal, SETTINGS[0][1])
         entry[f"{proposal}_no_branch_ms"] = timed.seconds * 1e3
         entry[f"{proposal}_no_branch_extra"] = timed.seconds / greedy.seconds - 1
+    if gamma == 0:  # the step filters [batch, V]: the round's figures at a quarter of its batch say as much
+        run.add("sampling", entry)
+        return
     rows, V = batch * (gamma + 1), s.plan.target.vocab_size
     logits = jax.random.normal(jax.random.key(9), (rows, V), jnp.float32) * 3
     settings = (jnp.full((rows,), 0.6), jnp.full((rows,), 20, jnp.int32), jnp.full((rows,), 0.95))
