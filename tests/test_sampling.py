@@ -194,3 +194,14 @@ def test_rows_without_top_k_beside_rows_with_it():
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-9)
     alone = ours(logits[[0, 3]], t[[0, 3]], k[[0, 3]], p[[0, 3]])
     np.testing.assert_allclose(alone, mixed[[0, 3]], rtol=1e-6, atol=1e-12)
+
+
+def test_a_top_k_cut_at_minus_infinity_takes_the_radix_search():
+    """Rows with fewer finite logits than top_k: the k-th candidate is -inf, which the candidate filter leaves
+    to the radix search; the result is transformers' either way, in a batch with an ordinary row."""
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((2, 300)) * 2).astype(np.float32)
+    logits[0, rng.permutation(300)[:290]] = -np.inf  # 10 finite logits
+    _, exact = jax.jit(candidate_filter.filter_rows)(jnp.asarray(logits), jnp.full((2,), 20), jnp.full((2,), 0.9))
+    assert exact.tolist() == [False, True]
+    check_rows(logits, [(1.0, 20, 0.9), (0.7, 20, 0.9)])
