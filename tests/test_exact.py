@@ -171,7 +171,8 @@ def test_bench_exact_dry_run(tmp_path):
     assert results["skipped"] == []
     assert {(r["batch"], r["exact"]) for r in results["step"]} == {(3, False), (3, True)}
     assert {(r["batch"], r["exact"]) for r in results["verify"]} == {(3, False), (3, True)}
-    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in results["step"] + results["verify"])
+    assert {(r["batch"], r["exact"], r["gamma"]) for r in results["round"]} == {(3, False, 3), (3, True, 3)}
+    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in results["step"] + results["verify"] + results["round"])
     matmuls = {(r["weight"], r["rows"], r["impl"], json.dumps(r["tuning"])) for r in results["matmul"]}
     assert matmuls == {(w, 4, impl, t) for w in ("wo", "lm_head")
                        for impl, t in (("xla", "null"), ("pallas", "{}"), ("pallas", '{"block_n": 16}'))}
