@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                         help="rounds per device call, as the engine runs them (see eagle3_jax.Engine)")
     parser.add_argument("--sampling-only", action="store_true",
-                        help="only a sampled round against a greedy round (batch 1 and 8, gamma 3) and the filters")
+                        help="only a sampled round against a greedy round (batch 1, 8 and 32; spec off and gamma 3) "
+                             "and the filters")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b",
@@ -109,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
+    parser.add_argument("--experts-only", action="store_true",
+                        help="MoE: only the ceilings, one decoder layer's ops and the expert paths, on the "
+                             "experts section's layers alone")
     return parser
 
 
@@ -120,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
     is_moe = args.model == "qwen3-30b-a3b"
-    if args.routing is not None and not is_moe:
-        parser.error("--routing is for --model qwen3-30b-a3b")
+    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only)):
+        if given and not is_moe:
+            parser.error(f"{flag} is for --model qwen3-30b-a3b")
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
@@ -133,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_moe:
         plan = moe.tiny_plan() if tiny else moe.qwen3_30b_a3b_plan()
         run = _start(args, plan.base, kernels[:1], dtype, out, tiny)
+        if args.experts_only:
+            moe.experts_only(run, plan, kernels[0], dtype, args.routing or "random")
+            return _finish(run, moe.summary(run.results))
         s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
         moe.run_all(run, s, plan, args.routing or "random")
         return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
@@ -142,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement_only:
         checks.agreement(run, s.target, s.drafter, kernels, gamma=3, new_tokens=96)
     elif args.sampling_only:
-        for batch in (1, 8):
-            sampling.sampling(run, s, batch, 3, kernels[0])
+        # Fewer timed calls than the other sections: 30 measurements and 15 compilations in one run.
+        s = dataclasses.replace(s, plan=dataclasses.replace(plan, reps=7, inner=5))
+        for batch in plan.batches:
+            for gamma in (0, 3):
+                if run.time_left(f"sampling b{batch} g{gamma}"):
+                    sampling.sampling(run, s, batch, gamma, kernels[0])
     elif args.variants_only:
         run.ceilings(plan.copy_bytes, plan.matmul_n)
         for choice in kernels:

@@ -32,7 +32,7 @@ from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
 
-from . import dense, presets, steps
+from . import dense, moe_layer, presets, steps
 from .core import Run, compile_timed, import_absl_library, time_chain
 from .inputs import normal, random_cache
 
@@ -52,7 +52,7 @@ class MoePlan:
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 3, 4, 8, 32))
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64))
 
 
 def tiny_plan() -> MoePlan:
@@ -112,12 +112,21 @@ def _ffn_stack(layers, ids, weights, x, *, path):
     return x, None
 
 
+@functools.cache
+def _import_tokamax() -> tuple[object | None, str]:
+    """(tokamax, "") or (None, why not): not installed, or an import that fails (a dependency missing or
+    of another version where it was installed as wheels); recorded, never fatal."""
+    try:
+        return import_absl_library("tokamax"), ""
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def tokamax_paths() -> dict:
     """tokamax's grouped GEMMs as expert paths, on [E, in, out] weights (the only layout its Triton and
-    Mosaic GPU kernels take); {} when tokamax is not installed."""
-    try:
-        tokamax = import_absl_library("tokamax")
-    except ImportError:
+    Mosaic GPU kernels take); {} when tokamax cannot be imported."""
+    tokamax, _ = _import_tokamax()
+    if tokamax is None:
         return {}
 
     def run(impl):
@@ -182,9 +191,15 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
     return dataclasses.replace(s, target_read=target_read)
 
 
+# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults.
+KERNEL_TUNINGS = {"kernel_i64_d32": {"block_i": 64, "block_d": 32}, "kernel_k128_s4": {"block_k": 128, "num_stages": 4}}
+
+
 def _expert_paths() -> tuple[dict, dict]:
     """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
-    paths = {"gathered": moe.experts_gathered, "grouped": moe.experts_grouped}
+    paths = dict(moe.PATHS)  # gathered, grouped, and the expert kernel (interpreted off the GPU)
+    if jax.default_backend() == "gpu":
+        paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
     extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
     if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
         extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
@@ -227,6 +242,22 @@ def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) 
                          "distinct_experts_per_layer": float(distinct.mean())}
                 run.row("experts", entry, seconds, read, compile_s)
     del swapped
+
+
+def experts_only(run: Run, plan: MoePlan, kernels: str, dtype, routing_first: str) -> dict:
+    """`--experts-only`: the ceilings, one decoder layer's ops at batch 1 (moe_layer.py), then the experts
+    section, on random weights for the plan's MoE layers only (not the whole target: minutes less to build)."""
+    base = plan.base
+    target = dataclasses.replace(base.target, num_layers=plan.ffn_layers)
+    s = dense.setup(run, dataclasses.replace(base, target=target), (kernels,), dtype)
+    run.results["routing_used"] = {"experts_section_first": routing_first}
+    tokamax, why_not = _import_tokamax()
+    run.results["tokamax"] = {"version": getattr(tokamax, "__version__", None), "not_imported": why_not}
+    run.ceilings(base.copy_bytes, None)
+    sparse = [i for i in range(target.num_layers) if target.is_sparse(i)]
+    moe_layer.layer_ops(run, s.tparams, target, sparse, kernels, base.reps, base.inner)
+    experts(run, s, plan, (routing_first,) + tuple(r for r in ROUTINGS if r != routing_first))
+    return run.results
 
 
 def projection(run: Run, s: dense.Setup) -> None:
@@ -274,6 +305,15 @@ def summary(results: dict) -> str:
                      + json.dumps(results["routing"]["mean_distinct_experts_per_layer"]))
     lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
+    for r in results.get("layer_ops", []):
+        if "error" in r:
+            lines.append(f"layer op {r['op']:18s} not run: {r['error'][:100]}")
+            continue
+        lines.append(f"layer op {r['op']:18s} {r['time_ms'] * 1e3:9.1f} us  floor {r['floor_ms'] * 1e3:8.1f} us  "
+                     f"x{r['ratio']:7.2f}  (batch 1, {r.get('expert_path', '')})")
+        top = list(r.get("kernels_us_per_application", {}).items())[:6]
+        if top:
+            lines.append("    kernels (us): " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in top))
     for r in results.get("experts", []):
         label = f"experts {r.get('routing', ''):6s} t={r['tokens']:<3d} {r['path']:16s}"
         if "error" in r:
@@ -289,7 +329,7 @@ def summary(results: dict) -> str:
             lines.append(f"projection {key} (spec-off {p['spec_off_ms']:.2f} ms, {proj['tau_model']}): {per}; "
                          f"best gamma {p['best_gamma']} ({p['best_speedup']:.2f}x)")
     if not tokamax_paths():
-        lines.append("tokamax: not installed, its ragged_dot not measured")
+        lines.append(f"tokamax: not imported ({_import_tokamax()[1]}), its ragged_dot not measured")
     lines.append("tokamax.gated_linear_unit: not measured (a dense GLU with no expert dimension: it does not "
                  "apply to routed experts without first gathering them)")
     return "\n".join(lines)

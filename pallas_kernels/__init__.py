@@ -11,6 +11,9 @@ small ops around it (each module's docstring says why it exists and what it meas
   skinny_matmul(x, w, *, out_dtype=None, interpret=False, **SkinnyConfig fields)
                                                                 x @ w.T for few rows, row results
                                                                 independent of the row count
+  moe_experts(x, combine, slots, count, w_gate_up, w_down, *, interpret=False, **ExpertsConfig fields)
+                                                                a Qwen3-MoE layer's routed experts for few
+                                                                rows, each expert's weights read once
   rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
                    interpret=False)                             q/k norm + RoPE + KV-cache write
 
@@ -85,10 +88,13 @@ from pallas_kernels.invariant_attention import InvariantConfig, invariant_attent
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 from pallas_kernels.prefill_attention_mgpu import unsupported as mosaic_prefill_unsupported
 from pallas_kernels.rope_cache_write import rope_cache_write
+from pallas_kernels.routed_experts import ExpertsConfig, moe_experts
+from pallas_kernels.routed_experts import unsupported as moe_experts_unsupported
 from pallas_kernels.skinny_matmul import SkinnyConfig, skinny_matmul, skinny_matmul_reference
 
 __all__ = [
     "DecodeConfig",
+    "ExpertsConfig",
     "InvariantConfig",
     "PrefillConfig",
     "SkinnyConfig",
@@ -96,6 +102,8 @@ __all__ = [
     "attention_reference",
     "decode_attention",
     "invariant_attention",
+    "moe_experts",
+    "moe_experts_unsupported",
     "mosaic_prefill_unsupported",
     "prefill_attention",
     "prefill_attention_mgpu",

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from eagle3_jax_bench import bench, checks, dense, moe, profile, sampling
+import pallas_kernels
+from eagle3_jax_bench import bench, checks, dense, moe, moe_layer, profile, sampling
 from eagle3_jax_bench.core import Run
 
 
@@ -35,6 +36,7 @@ def test_bench_smoke(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
     (["--routing", "local"], "--routing is for --model qwen3-30b-a3b"),
+    (["--experts-only"], "--experts-only is for --model qwen3-30b-a3b"),
     (["--model", "qwen3-30b-a3b", "--kernels", "xla", "pallas"], "measures one --kernels choice"),
 ])
 def test_bench_refuses_bad_flags(capsys, argv, message):
@@ -99,12 +101,31 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     from eagle3_jax.decoding import sampling as sampling_lib
 
     run = Run(600, tmp_path, "bench.json")
-    sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
-    (entry,) = run.results["sampling"]
+    setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
+    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step, with the row without the radix branch
+    sampling.sampling(run, setup, 1, 1, "xla", no_branch=False)  # a round (its no-branch rows: the same loop)
+    spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
-    assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
+            assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
+    assert spec_off["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in spec_off
+    assert "sample_no_branch_ms" not in spec_off and "argmax_no_branch_ms" not in entry
+    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off
+    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
+                                                                    "filter_sort_ms"))
+    assert len(sampling.summary_lines(run.results)) == 4
+    # The engine's filter and the radix search alone find the same cuts.
+    x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
+    t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
+    filters = sampling._filters()
+    engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
+    np.testing.assert_array_equal(engine[0], radix[0])
+    np.testing.assert_array_equal(engine[1], radix[1])
+    alone = sampling._candidates_only(x, t, k, p)  # the no-branch rows' filter: the same cuts
+    np.testing.assert_array_equal(alone.cut, radix[0])
+    np.testing.assert_array_equal(alone.tie_id, radix[1])
+    assert sampling_lib.filter_rows is not sampling._candidates_only  # restored after the no-branch rows
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
     np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),
@@ -131,10 +152,35 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     all_experts = cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
     assert results["decode"][0]["bytes_read"] < all_experts  # 4 of 16 experts per layer, not all
     experts = results["experts"]
-    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS
-                                                              for p in ("gathered", "grouped", "grouped_in_out")}
+    paths = ("gathered", "grouped", "kernel", "grouped_in_out")
+    assert {(r["routing"], r["path"]) for r in experts} == {(k, p) for k in moe.ROUTINGS for p in paths}
     projection = results["projection"]["batch_1"]
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
+
+
+def test_moe_bench_experts_only(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes, one token: one decoder layer's ops and
+    every expert path, each against its floor; the op rows' bytes add up to the layer's."""
+    import dataclasses
+
+    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,))
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
+    args = ["--tiny", "--model", "qwen3-30b-a3b", "--experts-only", "--out", str(tmp_path), "--kernels", "xla"]
+    assert bench.main(args) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == [] and "decode" not in results
+    ops = {r["op"]: r for r in results["layer_ops"]}
+    assert set(ops) == {"norm", "attention", "router_topk", "experts", "moe_mlp", "layer", "final_norm_lm_head"}
+    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
+    parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
+    assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"
+    assert all(ops[name]["kernels_us_per_application"] == {} for name in moe_layer.PROFILED)  # a GPU trace only
+    cfg = plan.base.target
+    assert ops["experts"]["bytes_read"] == moe.expert_bytes(cfg, 4) * cfg.moe.num_experts_per_tok
+    paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
+    assert paths == {"gathered", "grouped", "kernel", "grouped_in_out"}
+    assert all(r["ratio"] > 0 for r in results["experts"])
+    assert all(pallas_kernels.ExpertsConfig(**t) for t in moe.KERNEL_TUNINGS.values())  # timed on the GPU only
 
 
 def test_synthetic_routing_and_the_tau_model():

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import eagle3_jax
+import pallas_kernels
 from eagle3_jax import CheckpointError
 from eagle3_jax.checkpoints import safetensors_io
 from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
+from pallas_kernels import routed_experts
 
 from hf_models import MOE_CONFIGS, build_moe_model, save_moe_model
 
@@ -39,9 +41,11 @@ def rel_err(ours, ref):
 
 
 def test_expert_paths_match_the_dense_reference():
-    """Both paths on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
-    chosen by none (the gathered path's padded slots). Through the target, the golden tests below run
-    the gathered path at decode and the grouped one at prefill."""
+    """Every path on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
+    chosen by none (the padded slots of the gathered path and the kernel). Through the target, the golden
+    tests below run the gathered path at decode and the grouped one at prefill (and the kernel at decode in
+    test_kernel_path_decode_matches_transformers). D 16 and I 12 are below the kernel's 16-wide blocks:
+    its masked loads cover them."""
     E, D, Ie, tokens, top_k = 8, 16, 12, 5, 3
     keys = jax.random.split(jax.random.key(0), 4)
     w_gate_up, w_down = jax.random.normal(keys[0], (E, 2 * Ie, D)), jax.random.normal(keys[1], (E, D, Ie))
@@ -50,7 +54,7 @@ def test_expert_paths_match_the_dense_reference():
     np.testing.assert_allclose(np.sum(np.asarray(weights), -1), 1.0, rtol=1e-6)
     assert len(np.unique(ids)) < E and len(np.unique(ids)) < tokens * top_k
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
-    for path in (moe.experts_gathered, moe.experts_grouped):
+    for path in moe.PATHS.values():
         assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
 
 
@@ -223,3 +227,98 @@ def test_expert_ids_are_transformers_routing(case):
     assert len(ours) == len(router_logits) == sum(map(tgt.config.is_sparse, range(tgt.config.num_layers)))
     for ids, ref in zip(ours, router_logits):
         np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(ref.topk(k, -1).indices.numpy(), -1))
+
+
+# ----------------------------------------------------------------------------- the expert kernel
+
+
+def kernel_case(M, E, D, Ie, top_k, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    w_gate_up = (jax.random.normal(keys[0], (E, 2 * Ie, D)) / np.sqrt(D)).astype(dtype)
+    w_down = (jax.random.normal(keys[1], (E, D, Ie)) / np.sqrt(Ie)).astype(dtype)
+    x = jax.random.normal(keys[2], (M, D)).astype(dtype)
+    weights, ids = moe.route(x, jax.random.normal(keys[3], (E, D)).astype(dtype), top_k, normalize=True)
+    return x, weights, ids, w_gate_up, w_down
+
+
+@pytest.mark.parametrize("M,E,D,Ie,top_k", [(1, 16, 64, 32, 4), (3, 6, 40, 24, 3), (17, 8, 32, 80, 2)])
+def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
+    """pallas_kernels.moe_experts (interpreted) in float32 against the dense reference: one token (no padded
+    slot), 3 tokens over 6 experts (slots padded: 9 > 6) with D and I not multiples of the blocks, also with
+    16-wide blocks (several programs per expert, several K steps, the last one partial), 17 rows (padded to
+    32); in bfloat16 against the gathered path."""
+    x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
+    ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
+    got = moe.experts_kernel(x, weights, ids, w_gate_up, w_down)
+    assert np.isfinite(np.asarray(got)).all() and rel_err(got, ref) < 1e-5
+    if M == 3:
+        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16)
+        assert rel_err(small, ref) < 1e-5
+    low = [a.astype(jnp.bfloat16) for a in (x, weights, w_gate_up, w_down)]
+    got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3])
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, moe.experts_gathered(low[0], low[1], ids, low[2], low[3])) < 2e-2
+
+
+def test_expert_kernel_refusals_and_the_path_choice(caplog):
+    """Shapes and dtypes the kernel cannot take raise ValueError naming them; moe_mlp's choice takes the
+    kernel only with the Pallas kernels and few rows, and falls back (logged once) where the kernel refuses."""
+    x, weights, ids, w_gate_up, w_down = kernel_case(65, 8, 16, 16, 2, jnp.float32)
+    slots, combine = moe.routed_slots(weights, ids, 8)
+    count = jnp.array([8], jnp.int32)
+    with pytest.raises(ValueError, match="65 rows"):
+        pallas_kernels.moe_experts(x, combine.T, slots, count, w_gate_up, w_down, interpret=True)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        pallas_kernels.moe_experts(x, combine, slots, count, w_gate_up, w_down, interpret=True)
+    with pytest.raises(ValueError, match="dtype int32"):
+        pallas_kernels.moe_experts(x[:4].astype(jnp.int32), combine.T[:, :4], slots, count,
+                                   w_gate_up.astype(jnp.int32), w_down.astype(jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="x is float32 but the weights are bfloat16"):
+        pallas_kernels.moe_experts(x[:4], combine.T[:, :4], slots, count, w_gate_up.astype(jnp.bfloat16),
+                                   w_down.astype(jnp.bfloat16), interpret=True)
+    assert [moe.choose_path(t, jnp.float32, "xla") for t in (1, 4, 5, 16)] == ["gathered"] * 2 + ["grouped"] * 2
+    pallas = [moe.choose_path(t, jnp.bfloat16, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)]
+    assert pallas == ["kernel", "kernel", "grouped"]
+    assert moe.choose_path(2, jnp.float32, "exact") == "gathered"
+    with caplog.at_level("WARNING"):
+        assert moe.choose_path(2, jnp.int8, "pallas") == "gathered"
+        assert moe.choose_path(2, jnp.int8, "pallas") == "gathered"
+    assert [r.getMessage() for r in caplog.records] == [
+        "MoE expert kernel cannot take dtype int8 (the expert kernel takes bfloat16, float16, float32); "
+        "the gathered path runs instead"]
+
+
+def test_expert_kernel_lowers_for_cuda_at_qwen3_30b_a3b_shapes():
+    """The kernel's Triton lowering (what the GPU compiles) at the benchmark's shapes, from the CPU: 8 rows
+    of top-8 routing over 128 experts, hidden 2048, moe_intermediate 768, bfloat16."""
+    E, D, Ie, M, S = 128, 2048, 768, 8, 64
+    spec = jax.ShapeDtypeStruct
+    args = (spec((M, D), jnp.bfloat16), spec((S, M), jnp.bfloat16), spec((S,), jnp.int32), spec((1,), jnp.int32),
+            spec((E, 2 * Ie, D), jnp.bfloat16), spec((E, D, Ie), jnp.bfloat16))
+    text = routed_experts._experts.trace(*args, config=routed_experts.ExpertsConfig(), interpret=False).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1 and "triton" in text
+
+
+def test_kernel_path_decode_matches_transformers(case, monkeypatch):
+    """Decode steps (3 rows) through the expert kernel (interpreted) against transformers' logits, and
+    greedy tokens alike; prefill stays on the grouped path."""
+    name, model, _, tgt = case
+    cfg = tgt.config
+    monkeypatch.setattr(moe, "choose_path", lambda tokens, dtype, kernels: "kernel" if tokens <= 16 else "grouped")
+    run = jax.jit(target_lib.forward, static_argnums=(1, 4))  # traced here, with the patched choice
+    tokens, lengths = padded(PROMPTS)
+    cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
+    _, cache, _ = forward(tgt.params, cfg, tokens, cache, ())
+    cache = cache.with_lengths(lengths)
+    step_logits = []
+    for s in range(len(STEPS[0])):
+        h, cache, _ = run(tgt.params, cfg, jnp.array([[row[s]] for row in STEPS], jnp.int32), cache, ())
+        step_logits.append(np.asarray(target_lib.logits(tgt.params, h))[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + STEPS[i]])).logits[0].numpy()
+        for s in range(len(STEPS[i])):
+            assert rel_err(step_logits[s][i], ref[len(prompt) + s]) < 1e-4, (name, s)
+            assert np.argmax(step_logits[s][i]) == np.argmax(ref[len(prompt) + s]), (name, s)

@@ -185,12 +185,14 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     if not spec.sampling:
         return choices, accepted
     s = state.sampling
-    p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None], vocab)
+    B, rows, V = logits.shape
+    p = sampling_lib.filter_rows(logits.reshape(B * rows, V),
+                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)), vocab)
     # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
     # 0 for every other target token.
     draft_ids = (None if draft_q is None
                  else drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size)))
-    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids, vocab)
+    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids)
     drawn = jnp.where(jnp.arange(spec.gamma + 1)[None, :] > drawn_accepted[:, None], choices, drawn)
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 

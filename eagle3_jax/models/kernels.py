@@ -55,6 +55,11 @@ def fused_in_pallas(kernels: str) -> bool:
     return _known(kernels) in ("pallas", EXACT)
 
 
+def experts_in_pallas(kernels: str) -> bool:
+    """Whether a Qwen3-MoE layer's routed experts may take pallas_kernels.moe_experts (models/moe.py)."""
+    return _known(kernels) == "pallas"
+
+
 def exact(kernels: str) -> bool:
     return _known(kernels) == EXACT
 

@@ -3,7 +3,7 @@
 Parameters of a sparse layer (transformers 5's fused layout, weights [out, in]):
     router [E, D], w_gate_up [E, 2I, D] (gate rows first, then up), w_down [E, D, I].
 
-Two ways to run the experts, both reading only the experts some token was routed to, each once per
+Three ways to run the experts, each reading only the experts some token was routed to, each once per
 step, and never computing all E experts:
   * `experts_gathered` (few tokens): the distinct routed experts (at most min(M k, E)) are gathered once
     and every token is run through each of them; the combine weights are zero where a token did not
@@ -12,22 +12,32 @@ step, and never computing all E experts:
     (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
     weights a grouped GEMM streams is its lowering's business: an H200 probe (BENCHMARKS.md) put XLA's near the
     cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
-    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times both, and others.
-`moe_mlp` picks one by the static token count M = B T. `moe_reference` (all experts, dense) is the tests'
-oracle only.
+    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times every path, and others.
+  * `experts_kernel` (few tokens, GPU): the gathered path's arithmetic in pallas_kernels.moe_experts,
+    which streams each routed expert's weights once from where they are stored, with no gathered copy.
+`moe_mlp` picks one by the static token count M = B T and the kernels (`choose_path`). `moe_reference`
+(all experts, dense) is the tests' oracle only.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import MoeConfig
 
 # At most this many tokens per step take the gathered path. An H200 probe at Qwen3-30B-A3B shapes
 # (random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
 # tokens (4.4 / 11.4 ms against 15.9 / 17.3) and slower from 8 (20.7 against 18.2).
 GATHER_MAX_TOKENS = 4
+# With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (it reads each
+# routed expert once, like the gathered path, without the gathered copy); past it the grouped path.
+KERNEL_MAX_TOKENS = 16
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -46,21 +56,41 @@ def _swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def routed_slots(weights: jax.Array, ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Routing [M, k] -> (slots [S], combine [M, S]): the S = min(M k, E) distinct ids, padded with E (no
+    expert), and each token's weight on each slot (zero where it did not choose it). One token's k choices
+    are distinct already: its slots are its ids as routed (no sort); more tokens' are sorted (jnp.unique)."""
+    M, k = ids.shape
+    if M == 1:
+        return ids[0], weights
+    slots = jnp.unique(ids.reshape(-1), size=min(M * k, num_experts), fill_value=num_experts)
+    return slots, jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))
+
+
 def experts_gathered(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
                      w_down: jax.Array) -> jax.Array:
     """x [M, D], routing [M, k] -> [M, D], through the distinct routed experts gathered once.
 
-    The S = min(M k, E) slots hold the distinct ids in order, padded with E (no expert): the padded
-    slots gather zeros (mode="fill") and get zero combine weight, so no expert is read twice."""
-    M, k = ids.shape
-    E = w_gate_up.shape[0]
-    slots = jnp.unique(ids.reshape(-1), size=min(M * k, E), fill_value=E)  # [S]
-    combine = jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))  # [M, S]
+    The padded slots (routed_slots) gather zeros (mode="fill") and get zero combine weight, so no expert
+    is read twice."""
+    slots, combine = routed_slots(weights, ids, w_gate_up.shape[0])
     gate_up = jnp.take(w_gate_up, slots, axis=0, mode="fill", fill_value=0)  # [S, 2I, D]
     down = jnp.take(w_down, slots, axis=0, mode="fill", fill_value=0)  # [S, D, I]
     h = _swiglu(jnp.einsum("md,sod->smo", x, gate_up))  # [S, M, I]
     y = jnp.einsum("smi,sdi->smd", h, down)
     return jnp.einsum("ms,smd->md", combine, y)
+
+
+def experts_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
+                   w_down: jax.Array, **tuning) -> jax.Array:
+    """x [M, D], routing [M, k] -> [M, D] through pallas_kernels.moe_experts: each distinct routed expert's
+    weights streamed once from where they are stored, no gathered copy (interpreted off the GPU). tuning:
+    fields of pallas_kernels.ExpertsConfig (the benchmark times other tunings through it)."""
+    E = w_gate_up.shape[0]
+    slots, combine = routed_slots(weights, ids, E)
+    count = jnp.sum(slots < E, keepdims=True).astype(jnp.int32)
+    return pallas_kernels.moe_experts(x, combine.T, slots, count, w_gate_up, w_down,
+                                      interpret=kernels_lib.interpret(), **tuning)
 
 
 _RAGGED = jax.lax.RaggedDotDimensionNumbers(
@@ -90,17 +120,39 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
     return jnp.zeros_like(x).at[token].add(y)
 
 
-def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto") -> tuple[jax.Array, jax.Array]:
+PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel}
+
+
+def choose_path(tokens: int, dtype, kernels: str) -> str:
+    """The expert path for a step of `tokens` rows: with the Pallas kernels (the GPU's), the expert kernel
+    up to KERNEL_MAX_TOKENS rows where it takes the shapes, else (and with XLA's) gathered up to
+    GATHER_MAX_TOKENS, grouped past them. A kernel refusing a shape is logged once with the path taken."""
+    xla_path = "gathered" if tokens <= GATHER_MAX_TOKENS else "grouped"
+    if not kernels_lib.experts_in_pallas(kernels) or tokens > KERNEL_MAX_TOKENS:
+        return xla_path
+    reason = pallas_kernels.moe_experts_unsupported(tokens, dtype)
+    if reason:
+        _log_once(f"MoE expert kernel cannot take {reason}; the {xla_path} path runs instead")
+        return xla_path
+    return "kernel"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
+
+
+def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto",
+            kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
     """The sparse MLP of x [B, T, D] -> ([B, T, D], the expert ids [B T, k] it routed to); path "auto"
-    chooses by the static token count B T, "gathered" or "grouped" forces one (benchmarks, tests)."""
+    chooses by the static token count B T and the kernels (choose_path), a name in PATHS forces one."""
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
     weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if path == "auto":
-        path = "gathered" if B * T <= GATHER_MAX_TOKENS else "grouped"
-    run = {"gathered": experts_gathered, "grouped": experts_grouped}[path]
+        path = choose_path(B * T, x.dtype, kernels)
     with jax.named_scope(f"moe_{path}"):
-        return run(flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
+        return PATHS[path](flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
 
 
 def moe_reference(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,

@@ -94,7 +94,7 @@ def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels, tp):
             )
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
             if cfg.is_sparse(i):
-                delta, ids = moe.moe_mlp(normed, layer, cfg.moe)
+                delta, ids = moe.moe_mlp(normed, layer, cfg.moe, kernels=kernels)
                 routing.append(ids)
             else:
                 delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
