@@ -7,7 +7,8 @@ own jitted call, at a preset's shapes with random weights (no downloads).
 gamma 0 is the spec-off decode step; gamma > 0 a speculative round with a random drafter. Both paths run
 the same weights (at tp 1 the mesh's shards are the unsharded arrays, relabelled), from copies of one random
 state at --kv-len, compiled ahead of the timed region; each is timed twice, alternating, and the faster
-median kept. Reported per round: ms unsharded, ms sharded, and their ratio (the goal: at most 1.01).
+median kept. Reported per round: ms unsharded, ms sharded, and their ratio (the goal: at most 1.01); and
+whether both paths, after the same calls, hold the same tokens and lengths (tp 1 decodes as one device).
 With --tp N > 1: the spec-off step on a mesh of N devices against its floor instead (tp_floor.py).
 Writes tensor_parallel.json under --out.
 """
@@ -18,6 +19,7 @@ import argparse
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -68,9 +70,12 @@ def measure(run: Run, models, target, drafter, batch: int, gamma: int, args) -> 
             seconds, states[name] = time_chain(call, states[name], (), args.reps, args.inner)
             best[name] = min(best.get(name, seconds), seconds)
     per_round = {k: v / args.rounds_per_call * 1e3 for k, v in best.items()}
+    # Both paths ran the same calls from the same state: a greedy engine's tokens and lengths must agree.
+    ends = [jax.device_get((s.last_token, s.num_generated, s.target_cache.lengths)) for s in states.values()]
+    same = all(np.array_equal(a, b) for a, b in zip(*ends))
     run.add("rounds", {"batch": batch, "gamma": gamma, "kv_len": args.kv_len, "unsharded_ms": per_round["unsharded"],
                        "sharded_ms": per_round["sharded"], "ratio": per_round["sharded"] / per_round["unsharded"],
-                       "compile_s": {"unsharded": one_s, "sharded": sharded_s}})
+                       "same_tokens": same, "compile_s": {"unsharded": one_s, "sharded": sharded_s}})
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,14 @@
 """One of two processes decoding on one mesh over both (jax.distributed, gloo collectives on the CPU):
-run by tests/test_tensor_parallel.py as `python tests/tp_two_processes.py PROCESS PORT TARGET_FOLDER`;
-prints the greedy and the seeded sampled tokens as JSON."""
+started by tests/tp_four_devices.py as `python tests/tp_two_processes.py PROCESS PORT TARGET DRAFTER MAX_LEN
+NEW PROMPTS SAMPLING` (the last two as JSON); speculates with sampled proposals and prints the tokens as JSON."""
 
 import json
 import sys
 
 import jax
 
-PROCESS, PORT, FOLDER = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-PROMPTS = [[1, 5, 7, 9, 11], [3, 4]]
+PROCESS, PORT, TARGET, DRAFTER = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+MAX_LEN, NEW, PROMPTS, SAMPLING = int(sys.argv[5]), int(sys.argv[6]), json.loads(sys.argv[7]), json.loads(sys.argv[8])
 
 
 def main():
@@ -20,11 +20,10 @@ def main():
 
     assert jax.process_count() == 2 and jax.device_count() == 2
     mesh = tp_mesh(2)
-    target = eagle3_jax.load_target(FOLDER, dtype="float32", progress=False, mesh=mesh)
-    engine = eagle3_jax.Engine(target, max_len=32, max_batch=2, mesh=mesh)
-    greedy = engine.generate(PROMPTS, 10)
-    sampled = engine.generate(PROMPTS, 10, temperature=0.9, top_k=30, top_p=0.9, seed=11)
-    print(json.dumps([[r.token_ids for r in greedy], [r.token_ids for r in sampled]]))
+    target = eagle3_jax.load_target(TARGET, dtype="float32", progress=False, mesh=mesh)
+    drafter = eagle3_jax.load_drafter(DRAFTER, target, dtype="float32")
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, proposal="sample", mesh=mesh)
+    print(json.dumps([r.token_ids for r in engine.generate(PROMPTS, NEW, **SAMPLING)]))
 
 
 if __name__ == "__main__":
