@@ -39,7 +39,7 @@ MAX_LEN = 32  # the longest prompt reaches the cache edge at 16 new tokens
 NEW = 20
 LAYERS = 3  # the drafters' default capture layers (2, 1, 0) exist
 SAMPLING = dict(temperature=[0.9, 0.0, 1.3], top_k=[12, 0, 0], top_p=[0.8, 1.0, 0.95], seed=[5, 6, 7])
-SPEC_SAMPLING = dict(num_draft_tokens=3, max_len=MAX_LEN, proposal="sample")
+SPEC_SAMPLING = dict(num_draft_tokens=3, max_len=MAX_LEN, proposal="argmax")
 
 
 def test_four_devices():
@@ -99,7 +99,7 @@ def unsharded_greedy(world, kind: str):
 
 
 def unsharded_sampled(world):
-    """The dense target speculating with sampled proposals, seeded (a greedy row beside the sampled ones)."""
+    """The dense target speculating for seeded sampled rows (a greedy row beside them)."""
     return cached(world, "sampled", lambda: eagle3_jax.Engine(world["random2"], world["drafter"],
                                                               **SPEC_SAMPLING).generate(PROMPTS, NEW, **SAMPLING))
 
@@ -236,8 +236,8 @@ def test_moe_greedy_speculation_is_the_unsharded_greedy_output(world):
 
 def test_seeded_sampling_gives_the_unsharded_tokens(world):
     """Filters (top-k, top-p) and draws across vocabulary shards, at prefill, verify and after a rejection:
-    the unsharded engine's tokens, seed for seed, speculating with sampled proposals; a greedy row beside
-    the sampled ones."""
+    the unsharded engine's tokens, seed for seed, speculating with argmax proposals (sampled proposals' q:
+    test_filters_and_draws_across_shards_are_the_unsharded_ones); a greedy row beside the sampled ones."""
     target = sharded_target(world, "random2", 4)
     got = eagle3_jax.Engine(target, world["drafter"], mesh=target.mesh, **SPEC_SAMPLING).generate(PROMPTS, NEW,
                                                                                                  **SAMPLING)
@@ -275,7 +275,9 @@ def test_tp_floor_bench_dry_run(tmp_path):
 
 def test_filters_and_draws_across_shards_are_the_unsharded_ones():
     """filter_rows over 4 vocabulary slices: the same cut, tie id, top and mass as over whole rows, with many
-    ties (logits on a coarse grid, some at the top-p boundary), and the same draws for the same keys."""
+    ties (logits on a coarse grid, some at the top-p boundary), and the same draws for the same keys; verify
+    over those rows (2 rows of 3 drafts) the same accepted drafts and tokens, for argmax drafts and for
+    drafts sampled from a q over 32 of the ids (the engine's sampled proposals)."""
     from eagle3_jax.decoding import sampling
     from eagle3_jax.parallel.collectives import Vocab
 
@@ -286,18 +288,35 @@ def test_filters_and_draws_across_shards_are_the_unsharded_ones():
     top_k = np.array([0, 5, 50, 0, 1, 3, 1024, 200], np.int32)
     top_p = np.array([1, 0.9, 0.5, 0.3, 1, 0.95, 0.8, 0.99], np.float32)
     keys = jax.random.split(jax.random.key(3), rows)
+    rng = np.random.default_rng(1)
+    # Batch row 0 (filter rows 0-3) drafts any ids (mostly rejected); batch row 1 (rows 4-7) the largest
+    # logits of rows 4-6, which keep 1 (top-k), 3 and many tokens (mostly accepted). q covers all 6.
+    best = np.argmax(logits[4:7], axis=-1)
+    others = np.setdiff1d(rng.permutation(V), best)[:29]
+    q_ids = np.concatenate([best, others]).astype(np.int32)
+    q = rng.dirichlet(np.ones(32), (2, 3)).astype(np.float32)  # [B, G, 32]
+    drafts = jax.numpy.asarray(np.stack([others[:3], best]), jax.numpy.int32)
+    room = np.array([3, 2], np.int32)
+    q, q_ids = jax.numpy.asarray(q), jax.numpy.asarray(q_ids)
 
     def filtered(vocab):
         def run(x, t, k, p, keys):
             f = sampling.filter_rows(x, t, k, p, vocab)
-            return f.cut, f.tie_id, f.top, f.total, f.probs(), sampling.categorical(keys, f.probs(), vocab)
+            one_hot = sampling.verify(keys[:2], f, drafts, None, room)
+            from_q = sampling.verify(keys[:2], f, drafts, q, room, q_ids)
+            return (f.cut, f.tie_id, f.top, f.total, f.probs(), sampling.categorical(keys, f.probs(), vocab),
+                    *one_hot, *from_q)
         return run
 
     whole = jax.jit(filtered(Vocab()))(logits, temperature, top_k, top_p, keys)
     mesh = tp_mesh(4)
     split = jax.jit(jax.shard_map(filtered(Vocab(Shards(4))), mesh=mesh, in_specs=(P(None, "tp"), P(), P(), P(), P()),
-                                  out_specs=(P(), P(), P(), P(), P(None, "tp"), P()), check_vma=False))
+                                  out_specs=(P(), P(), P(), P(), P(None, "tp")) + (P(),) * 5, check_vma=False))
     got = split(logits, temperature, top_k, top_p, keys)
+    for name, a, b in zip(("one-hot accepted", "one-hot tokens", "q accepted", "q tokens"), whole[6:], got[6:]):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+    accepted = np.concatenate([np.asarray(whole[6]), np.asarray(whole[8])])
+    assert accepted.max() > 0 and (accepted < room.tolist() * 2).any(), accepted  # accepts and rejections
     for name, a, b in zip(("cut", "tie_id", "top"), whole[:3], got[:3]):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
     np.testing.assert_allclose(np.asarray(got[3]), np.asarray(whole[3]), rtol=1e-6)
@@ -349,8 +368,8 @@ def collectives_in(jaxpr) -> list[tuple[str, tuple[int, ...]]]:
 
 def test_two_processes_decode_as_one(world):
     """One mesh over two processes of one CPU device each (jax.distributed, gloo), started with the world:
-    each loads its shard of the dense target, and both emit the one-process engine's tokens, speculating with
-    sampled proposals (a greedy row beside the sampled ones), seed for seed."""
+    each loads its shard of the dense target, and both emit the one-process engine's tokens, speculating for
+    seeded sampled rows (a greedy row beside them), seed for seed."""
     expected = [r.token_ids for r in unsharded_sampled(world)]
     for proc in world["two_processes"]:
         out, err = proc.communicate(timeout=300)

@@ -1,6 +1,6 @@
 """One of two processes decoding on one mesh over both (jax.distributed, gloo collectives on the CPU):
 started by tests/tp_four_devices.py as `python tests/tp_two_processes.py PROCESS PORT TARGET DRAFTER MAX_LEN
-NEW PROMPTS SAMPLING` (the last two as JSON); speculates with sampled proposals and prints the tokens as JSON."""
+NEW PROMPTS SAMPLING` (the last two as JSON); speculates for the sampled rows and prints the tokens as JSON."""
 
 import json
 import sys
@@ -22,7 +22,7 @@ def main():
     mesh = tp_mesh(2)
     target = eagle3_jax.load_target(TARGET, dtype="float32", progress=False, mesh=mesh)
     drafter = eagle3_jax.load_drafter(DRAFTER, target, dtype="float32")
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, proposal="sample", mesh=mesh)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, proposal="argmax", mesh=mesh)
     print(json.dumps([r.token_ids for r in engine.generate(PROMPTS, NEW, **SAMPLING)]))
 
 
