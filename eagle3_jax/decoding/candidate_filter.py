@@ -13,6 +13,14 @@ but the tokens equal to it may run past the K candidates. One more pass counts t
 top-k mass is exact, and top-p's decision for tied token number t (by descending id) is the radix path's:
 kept while the mass above the cut plus t times the tied token's probability is < top_p. When top-p keeps
 tied tokens beyond the candidates, the per-block counts locate the id of the last kept one.
+
+Fewer finite logits than top_k (a k-th logit of -inf). Exact without another search: the cut is -inf, and
+as the candidates are the K largest logits and fewer than k <= K are finite, every finite token is a
+candidate. The mass, and each finite token's `above` (the mass of higher logits) and `ahead` (equal logits
+of higher id), are then sums over exactly the tokens transformers weighs, so each finite token is kept or
+dropped as there. A token of logit -inf has weight exp(-inf - top) = 0, so the distribution (Filtered's
+probs, prob and total) is the same whichever of them the cut and tie id mark as kept: zero-probability
+tokens never change it. The same holds for tied tokens whose weight underflows to 0 at a finite cut.
 """
 
 from __future__ import annotations
@@ -24,21 +32,21 @@ K = 64  # candidates per row: rows with top_k in [1, K] are filtered from them
 BLOCK = 64  # tokens per block: Qwen3's 151,936 are 2,374 blocks, the 64 chosen 4,096 tokens (two small sorts)
 
 
-def _blocks(x: jax.Array) -> jax.Array:
-    """[R, V] -> [R, ceil(V / BLOCK), BLOCK], padded with -inf; -0.0 as +0.0 (equal logits, one order)."""
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """[R, V] -> [R, ceil(V / block), block], padded with -inf; -0.0 as +0.0 (equal logits, one order)."""
     R, V = x.shape
-    nb = -(-V // BLOCK)
+    nb = -(-V // block)
     x = jnp.where(x == 0, 0.0, x)
-    return jnp.pad(x, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf).reshape(R, nb, BLOCK)
+    return jnp.pad(x, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf).reshape(R, nb, block)
 
 
 def candidates(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """blocks [R, NB, BLOCK] (`_blocks`), k <= the row length -> (values [R, k], ids [R, k]): each row's k
     largest logits, descending, higher ids first among equal values."""
-    R, nb, _ = blocks.shape
+    R, nb, block = blocks.shape
     _, reversed_at = jax.lax.top_k(jnp.max(blocks, axis=-1)[:, ::-1], min(k, nb))
     chosen = -jnp.sort(reversed_at - (nb - 1), axis=-1)  # block numbers, highest first
-    ids = (chosen[:, :, None] * BLOCK + jnp.arange(BLOCK - 1, -1, -1, dtype=jnp.int32)).reshape(R, -1)
+    ids = (chosen[:, :, None] * block + jnp.arange(block - 1, -1, -1, dtype=jnp.int32)).reshape(R, -1)
     values, at = jax.lax.top_k(jnp.take_along_axis(blocks.reshape(R, -1), ids, axis=-1), k)
     return values, jnp.take_along_axis(ids, at, axis=-1)
 
@@ -46,33 +54,35 @@ def candidates(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def _tied_id(blocks, cut, per_block, r) -> jax.Array:
     """The id of the r-th highest-id token equal to cut [R] in each row (1 <= r <= their count), from the
     per-block counts [R, NB] of those tokens and one gathered block."""
-    rows = jnp.arange(blocks.shape[0])
+    rows, block = jnp.arange(blocks.shape[0]), blocks.shape[-1]
     from_block = jnp.cumsum(per_block[:, ::-1], axis=-1)[:, ::-1]  # tied tokens in block b and above
     b = jnp.clip(jnp.sum(from_block >= r[:, None], axis=-1) - 1, 0, blocks.shape[1] - 1)
     need = r - (from_block[rows, b] - per_block[rows, b])  # how many of block b's tied tokens, from the top
     from_pos = jnp.cumsum((blocks[rows, b] == cut[:, None])[:, ::-1], axis=-1)[:, ::-1]
-    s = jnp.clip(jnp.sum(from_pos >= need[:, None], axis=-1) - 1, 0, BLOCK - 1)
-    return (b * BLOCK + s).astype(jnp.int32)
+    s = jnp.clip(jnp.sum(from_pos >= need[:, None], axis=-1) - 1, 0, block - 1)
+    return (b * block + s).astype(jnp.int32)
 
 
 def _tied_kept(above, p_tied, top_p, count) -> jax.Array:
     """How many tokens t = 0, 1, .. count - 1 satisfy above + t * p_tied < top_p (a prefix: the sum rises
-    with t), all of them when top_p >= 1; the same float expression as the per-token test."""
+    with t), all of them when top_p >= 1; the same float expression as the per-token test. With p_tied 0
+    (a cut at -inf, or a weight that underflows) the test is the same for every t: all of them or none."""
     def fits(t):
         return above + t.astype(jnp.float32) * p_tied < top_p
 
-    guess = jnp.where(p_tied > 0, jnp.ceil((top_p - above) / jnp.where(p_tied > 0, p_tied, 1.0)), count)
+    guess = jnp.ceil((top_p - above) / jnp.where(p_tied > 0, p_tied, 1.0))
     guess = jnp.clip(guess, 0, count).astype(jnp.int32)  # off by at most one from rounding
     guess = jnp.where(fits(guess) & (guess < count), guess + 1, guess)
     guess = jnp.where((guess > 0) & ~fits(guess - 1), guess - 1, guess)
+    guess = jnp.where(p_tied > 0, guess, jnp.where(fits(jnp.zeros_like(count)), count, 0))
     return jnp.where(top_p >= 1, count, guess)
 
 
-def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array):
-    """Tempered logits x [R, V], top_k and top_p [R] -> ((cut, tie_id, top, total) as sampling.Filtered
-    holds them, exact [R] bool): exact where 1 <= top_k <= min(K, V) and the k-th logit is finite; the
-    other rows' values are not the filter's."""
-    blocks = _blocks(x)
+def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, block: int = BLOCK):
+    """Tempered logits x [R, V], top_k and top_p [R] -> (cut, tie_id, top, total) as sampling.Filtered holds
+    them: exact for rows with 1 <= top_k <= K (top_k > V keeps the whole row, as transformers does); other
+    rows' values are not the filter's. block: tokens per block (any size gives the same result)."""
+    blocks = _blocks(x, block)
     values, ids = candidates(blocks, min(K, x.shape[-1]))
     rows, n = jnp.arange(x.shape[0]), values.shape[-1]
     k = jnp.clip(top_k, 1, n)
@@ -96,5 +106,4 @@ def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array):
     cut = jnp.where(past, thr, values[rows, last])
     tie_id = jnp.where(past, _tied_id(blocks, thr, per_block, n_tied + tail_kept), ids[rows, last])
     total = jnp.sum(jnp.where(keep, w, 0.0), axis=-1) + tail_kept * w_thr
-    exact = (top_k >= 1) & (top_k <= n) & (thr > -jnp.inf)
-    return (cut, tie_id, top, total), exact
+    return cut, tie_id, top, total

@@ -10,9 +10,10 @@ The jitted steps are module-level: their static configuration (`StepSpec`) is a 
 every Engine of the same configuration, and every request of the same shapes, reuses one compilation.
 
 Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one value per row, so new
-values never recompile. An Engine has two builds of its steps: the greedy one, which a request whose rows
-are all greedy runs (no sampling work at all), and the sampling one, which runs any request with
-a sampled row and handles greedy rows beside them. Each compiles once, when first needed.
+values never recompile. An Engine has three builds of its steps: the greedy one, which a request whose rows
+are all greedy runs (no sampling work at all), and two sampling ones, which run any request with a sampled
+row and handle greedy rows beside them: the candidate filter's when every sampled row's top_k is in [1, 64],
+else the radix search's (sampling.filter_for). Each compiles once, when first needed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding import scheduler, slots, spec_round
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
@@ -135,13 +137,17 @@ class Engine:
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
 
     def _build(self, request: Request) -> spec_round.StepSpec:
-        """The build a request runs: the sampling one when some row samples."""
-        return self._sampling_spec if request.samples else self._spec
+        """The build a request runs: the sampling one when some row samples, with the filter its settings
+        need (sampling.filter_for)."""
+        if not request.samples:
+            return self._spec
+        return dataclasses.replace(self._sampling_spec, filter=sampling_lib.filter_for(request.sampling))
 
     def _ops(self, request: Request) -> scheduler.Ops:
         """The device operations of a request's build, each recorded in `device_events`."""
         spec = self._build(request)
-        prefill_spec = self._sampling_prefill_spec if request.samples else self._spec
+        prefill_spec = (dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if request.samples
+                        else self._spec)
         params = (self.target.params, self._draft_params)
 
         def empty(rows, template):

@@ -57,6 +57,9 @@ class StepSpec:
     kernels: str  # see eagle3_jax/models/kernels.py
     sampling: bool = False  # rows may sample (DecodeState.sampling); False: every row is greedy
     proposal: str = "argmax"  # how sampled rows draft: "argmax" (q one-hot) or "sample" (x ~ q)
+    # Which exact search finds a sampling build's top-k / top-p cuts (sampling.FILTERS): "candidates" only
+    # when every sampled row's top_k is in [1, 64] (sampling.filter_for), "radix" for any settings.
+    filter: str = "radix"
     # The target's decode and verify steps on the EXACT kernels: a token's logits are bit-identical
     # whether it is verified among gamma + 1 or decoded alone (eagle3_jax/models/kernels.py).
     exact: bool = False
@@ -102,7 +105,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if spec.sampling:
         s = sampling
-        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
+        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs)
         first = jnp.where(s.greedy, first, drawn)
     draft_cache = draft_hidden = None
@@ -153,7 +156,7 @@ def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
     s = state.sampling
 
     def propose(logits, step):
-        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
+        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, filter=spec.filter)
         drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
         return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
 
@@ -171,7 +174,7 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     s = state.sampling
     B, rows, V = logits.shape
     p = sampling_lib.filter_rows(logits.reshape(B * rows, V),
-                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)))
+                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)), filter=spec.filter)
     # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
     # 0 for every other target token.
     draft_ids = (None if draft_q is None
