@@ -92,8 +92,10 @@ def test_kernel_groups_sort_a_profile_by_kind():
 
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
-    """`--sampling-only`'s measurement at tiny shapes (its fields), and the sort-based filter it is timed
-    against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's alone)."""
+    """`--sampling-only`'s measurement at tiny shapes (its fields, each sampled round in the build its settings
+    take), every block size of the candidate filter finds the radix search's cuts, and the sort-based filter
+    it is timed against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's
+    alone)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,35 +104,36 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
 
     run = Run(600, tmp_path, "bench.json")
     setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
-    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step, with the row without the radix branch
-    sampling.sampling(run, setup, 1, 1, "xla", no_branch=False)  # a round (its no-branch rows: the same loop)
+    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step
+    sampling.sampling(run, setup, 1, 1, "xla")  # a round, and its parts
     spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
             assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
-    assert spec_off["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in spec_off
-    assert "sample_no_branch_ms" not in spec_off and "argmax_no_branch_ms" not in entry
-    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off
-    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
-                                                                    "filter_sort_ms"))
+            assert entry["compile_s"][f"{proposal}_{label}"] > 0
+    builds = [sampling_lib.filter_for(sampling_lib.SamplingParams(*(np.array([x]) for x in settings), None))
+              for _, settings in sampling.SETTINGS]
+    assert builds == ["candidates", "radix"]
+    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off and "draft_step_ms" not in spec_off
+    parts = [*sampling._filters(), "draft_step_ms", "verify_argmax_ms", "verify_sample_ms"]
+    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in parts)
+    assert {"filter_block32_ms", "filter_block128_ms", "filter_radix_ms"} <= set(parts)
     assert len(sampling.summary_lines(run.results)) == 4
-    # The engine's filter and the radix search alone find the same cuts.
+    # Every block size of the candidate filter and the radix search find the same cuts.
     x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
     t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
     filters = sampling._filters()
-    engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
-    np.testing.assert_array_equal(engine[0], radix[0])
-    np.testing.assert_array_equal(engine[1], radix[1])
-    alone = sampling._candidates_only(x, t, k, p)  # the no-branch rows' filter: the same cuts
-    np.testing.assert_array_equal(alone.cut, radix[0])
-    np.testing.assert_array_equal(alone.tie_id, radix[1])
-    assert sampling_lib.filter_rows is not sampling._candidates_only  # restored after the no-branch rows
+    radix = jax.jit(filters["filter_radix_ms"])(x, t, k, p)
+    for name in ("filter_ms", "filter_block32_ms", "filter_block128_ms"):
+        cut, tie_id, _, total = jax.jit(filters[name])(x, t, k, p)
+        np.testing.assert_array_equal(cut, radix[0])
+        np.testing.assert_array_equal(tie_id, radix[1])
+        np.testing.assert_allclose(total, radix[2], rtol=1e-6)
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
-    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),
-                               atol=1e-6)
-
+    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p),
+                               sampling_lib.filtered_probs(logits, t, k, p, filter="radix"), atol=1e-6)
 
 
 def test_moe_bench_smoke(tmp_path, monkeypatch):
