@@ -1,9 +1,9 @@
 """`eagle3-jax bench --sampling-only`: a sampled round against a greedy round as the engine runs them (the
 aim: at most 3% more), spec off and at gamma 3, in each of the sampling builds (the candidate filter's for
 Qwen3's settings, the radix search's for top-p alone); then the parts of a round's sampling work timed
-alone: the target's filter (the candidate filter at three block sizes, the radix search, one sort per row),
-one draft step's filter and draw over the draft vocabulary, and the rejection sampler with argmax and with
-sampled drafts."""
+alone: the target's filter (the candidate filter at three choices of blocks, the radix search, one sort per
+row), one draft step's filter and draw over the draft vocabulary (the same three), and the rejection sampler
+with argmax and with sampled drafts."""
 
 from __future__ import annotations
 
@@ -59,29 +59,41 @@ def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str 
     return steps.engine_rounds(spec, s.tparams, s.dparams, state, s.rounds_per_call, s.plan.reps, s.plan.inner)
 
 
-BLOCKS = (32, candidate_filter.BLOCK, 128)  # the candidate filter's block sizes timed (any gives the same cuts)
+# The candidate filter's block sizes timed beside its default (candidate_filter.BLOCKS; any give the same cuts).
+OTHER_BLOCKS = ((32,), (16, 16))
+
+
+def _named(field: str, blocks: tuple[int, ...]) -> str:
+    """The bench field of a part timed with the candidate filter at `blocks`: `field`_ms at the default."""
+    return f"{field}_ms" if blocks == candidate_filter.BLOCKS else f"{field}_blocks{'x'.join(map(str, blocks))}_ms"
 
 
 def _filters() -> dict:
     """The target's filters timed alone over [rows, V], each returning what the verify reads (field -> fn)."""
-    def by_blocks(block):
+    def by_blocks(blocks):
         def candidates(logits, t, k, p):  # the candidate build's filter, exact for top_k in [1, 64]
-            return candidate_filter.filter_rows(sampling_lib.tempered(logits, t), k, p, block)
+            return candidate_filter.filter_rows(sampling_lib.tempered(logits, t), k, p, blocks)
         return candidates
 
     def radix(logits, t, k, p):  # the radix build's filter, exact for any settings
         f = sampling_lib.filter_rows(logits, t, k, p, filter="radix")
         return f.cut, f.tie_id, f.total
 
-    blocks = {("filter_ms" if b == candidate_filter.BLOCK else f"filter_block{b}_ms"): by_blocks(b) for b in BLOCKS}
+    blocks = {_named("filter", b): by_blocks(b) for b in (candidate_filter.BLOCKS, *OTHER_BLOCKS)}
     return {**blocks, "filter_radix_ms": radix, "filter_sort_ms": sorted_filter}
 
 
-def _draft_step(logits, t, k, p, key):
-    """One draft step's sampling work over the draft vocabulary (spec_round._draft's propose): the filter,
-    the distribution q kept for the verify, and the draw."""
-    q = sampling_lib.filtered_probs(logits, t, k, p, filter="candidates")
-    return sampling_lib.categorical(jax.random.split(key, logits.shape[0]), q), q
+def _draft_steps() -> dict:
+    """One draft step's sampling work over the draft vocabulary (spec_round._draft's propose: the filter, the
+    distribution q kept for the verify, the draw), at the default blocks and the others (field -> fn)."""
+    def by_blocks(blocks):
+        def step(logits, t, k, p, key):
+            x = sampling_lib.tempered(logits, t)
+            q = sampling_lib.Filtered(x, *candidate_filter.filter_rows(x, k, p, blocks)).probs()
+            return sampling_lib.categorical(jax.random.split(key, logits.shape[0]), q), q
+        return step
+
+    return {_named("draft_step", b): by_blocks(b) for b in (candidate_filter.BLOCKS, *OTHER_BLOCKS)}
 
 
 def _verify_parts(s: Setup, batch: int, gamma: int, settings) -> dict:
@@ -110,7 +122,7 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
     settings (temperature 0.6, top-k 20, top-p 0.95: the candidate build) and with top-p alone (temperature
     1, top-p 0.95: the radix build), against the greedy round. Then, for a round (gamma > 0), its sampling
     work in parts at Qwen3's settings: the target's filters over [batch (gamma + 1), V] (`_filters`), one
-    draft step over [batch, draft vocabulary] (`_draft_step`, gamma of them a round) and the rejection
+    draft step over [batch, draft vocabulary] (`_draft_steps`, gamma of them a round) and the rejection
     sampler (`_verify_parts`)."""
     greedy = sampled_round(s, batch, gamma, kernels, None, None)
     entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": s.rounds_per_call,
@@ -132,7 +144,8 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
     for name, fn in _filters().items():
         entry[name] = _time(s, fn, (logits, *settings))
     draft_logits = jax.random.normal(jax.random.key(8), (batch, s.plan.drafter.draft_vocab_size), jnp.float32) * 3
-    entry["draft_step_ms"] = _time(s, _draft_step, (draft_logits, *(x[:batch] for x in settings), jax.random.key(0)))
+    for name, fn in _draft_steps().items():
+        entry[name] = _time(s, fn, (draft_logits, *(x[:batch] for x in settings), jax.random.key(0)))
     for name, (fn, args) in _verify_parts(s, batch, gamma, tuple(x[:batch] for x in settings)).items():
         entry[name] = _time(s, fn, args)
     run.add("sampling", entry)
@@ -148,7 +161,7 @@ def summary_lines(results: dict) -> list[str]:
         if "filter_ms" in e:
             lines.append(f"{'':2s}over [{e['batch'] * (e['gamma'] + 1)}, V]: " + ", ".join(
                 f"{k[:-3]} {e[k]:.3f} ms" for k in _filters()))
-            lines.append(f"{'':2s}draft step over [{e['batch']}, Vd] {e['draft_step_ms']:.3f} ms (x{e['gamma']} a "
-                         f"round); verify: argmax drafts {e['verify_argmax_ms']:.3f} ms, sampled drafts "
-                         f"{e['verify_sample_ms']:.3f} ms")
+            steps = ", ".join(f"{k[:-3]} {e[k]:.3f} ms" for k in _draft_steps())
+            lines.append(f"{'':2s}over [{e['batch']}, Vd], x{e['gamma']} a round: {steps}; verify: argmax drafts "
+                         f"{e['verify_argmax_ms']:.3f} ms, sampled drafts {e['verify_sample_ms']:.3f} ms")
     return lines

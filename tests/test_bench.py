@@ -116,16 +116,16 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
               for _, settings in sampling.SETTINGS]
     assert builds == ["candidates", "radix"]
     assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off and "draft_step_ms" not in spec_off
-    parts = [*sampling._filters(), "draft_step_ms", "verify_argmax_ms", "verify_sample_ms"]
+    parts = [*sampling._filters(), *sampling._draft_steps(), "verify_argmax_ms", "verify_sample_ms"]
     assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in parts)
-    assert {"filter_block32_ms", "filter_block128_ms", "filter_radix_ms"} <= set(parts)
+    assert {"filter_blocks32_ms", "filter_blocks16x16_ms", "draft_step_blocks16x16_ms", "filter_radix_ms"} <= set(parts)
     assert len(sampling.summary_lines(run.results)) == 4
     # Every block size of the candidate filter and the radix search find the same cuts.
     x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
     t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
     filters = sampling._filters()
     radix = jax.jit(filters["filter_radix_ms"])(x, t, k, p)
-    for name in ("filter_ms", "filter_block32_ms", "filter_block128_ms"):
+    for name in ("filter_ms", "filter_blocks32_ms", "filter_blocks16x16_ms"):
         cut, tie_id, _, total = jax.jit(filters[name])(x, t, k, p)
         np.testing.assert_array_equal(cut, radix[0])
         np.testing.assert_array_equal(tie_id, radix[1])

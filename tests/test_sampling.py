@@ -1,5 +1,6 @@
 """The sampling filters against transformers' warpers, and the rejection sampler's room stop, on the CPU."""
 
+import math
 import re
 
 import jax
@@ -251,3 +252,23 @@ def test_each_build_is_one_program_without_a_branch():
     assert "scan" in radix and "cond" not in radix
     with pytest.raises(ValueError, match=r"filter must be one of \('radix', 'candidates'\), got 'sort'"):
         jaxpr("sort")
+
+
+@pytest.mark.parametrize("blocks", [candidate_filter.BLOCKS, (32,), (16, 16), (4, 2, 8)])
+def test_candidates_at_any_blocks_are_a_stable_sort(blocks):
+    """The K candidates at one, two or three levels of blocks: a row's K largest logits in the order of a
+    stable descending sort with higher ids first among equal logits (numpy's lexsort), on rows of many ties
+    and -inf, and on a row whose largest logits crowd few blocks."""
+    rng = np.random.default_rng(8)
+    x = rng.integers(-40, 40, (4, 5000)).astype(np.float32)
+    x[1, rng.permutation(5000)[:4990]] = -np.inf
+    x[2, 100:300] = 50.0  # 200 equal maxima in a few neighbouring blocks
+    x[3] = rng.standard_normal(5000)
+    k = candidate_filter.K
+    padded = candidate_filter._padded(jnp.asarray(x), blocks)
+    values, ids = jax.jit(candidate_filter.candidates, static_argnums=(1, 2))(padded, k, blocks)
+    padded, ids = np.asarray(padded), np.asarray(ids)
+    assert padded.shape[-1] % math.prod(blocks) == 0 and padded.shape[-1] - 5000 < math.prod(blocks)
+    for row, got in zip(padded, ids):  # the padding is -inf of ids past the row: ordered as any other -inf
+        np.testing.assert_array_equal(got, np.lexsort((-np.arange(len(row)), -row))[:k])
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(padded, ids, axis=-1))

@@ -1,12 +1,13 @@
 """The top-k / top-p filter from each row's K largest logits: exact for rows whose top_k is in [1, K], in a
 handful of passes over the row instead of the radix search's sixteen (sampling.py).
 
-The candidates. A row's logits are cut into blocks of BLOCK tokens; the K blocks of largest maximum (of
+The candidates. A row's logits are cut into blocks (BLOCKS: 64 tokens, one level); the K blocks of largest maximum (of
 equal maxima, the higher block) hold the row's K largest logits (of equal logits, the higher ids): each of
 those K tokens lies in a block whose maximum is at least it, and were its block not chosen, the K chosen
 blocks' maxima would all come before it. `lax.top_k` over the K gathered blocks, laid out in descending id
 order (top_k puts the lower index first among equal values), then gives the K largest logits in the order
 of a stable descending sort with higher ids first among equal logits: the order the filters keep tokens in.
+With more levels the same holds of blocks of blocks: the K largest blocks lie in the K largest superblocks.
 
 The filters. With top_k = k <= K the top-k cut is the k-th candidate; every token above it is a candidate,
 but the tokens equal to it may run past the K candidates. One more pass counts them per block, so the
@@ -25,35 +26,46 @@ tokens never change it. The same holds for tied tokens whose weight underflows t
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 K = 64  # candidates per row: rows with top_k in [1, K] are filtered from them
-BLOCK = 64  # tokens per block: Qwen3's 151,936 are 2,374 blocks, the 64 chosen 4,096 tokens (two small sorts)
+# Block sizes, finest first: Qwen3's 151,936 logits are 2,374 blocks of 64, the 64 chosen 4,096 tokens (two
+# top-k searches, over 2,374 and 4,096 entries). (16, 16) would search 594 superblocks, then 1,024 blocks, then
+# 1,024 tokens: smaller sorts, one more level (the bench times both).
+BLOCKS = (64,)
 
 
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-    """[R, V] -> [R, ceil(V / block), block], padded with -inf; -0.0 as +0.0 (equal logits, one order)."""
-    R, V = x.shape
-    nb = -(-V // block)
+def _padded(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+    """[R, V] -> [R, N], padded with -inf to a multiple of every level's blocks; -0.0 as +0.0 (equal
+    logits, one order)."""
+    size = math.prod(blocks)
     x = jnp.where(x == 0, 0.0, x)
-    return jnp.pad(x, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf).reshape(R, nb, block)
+    return jnp.pad(x, ((0, 0), (0, -x.shape[-1] % size)), constant_values=-jnp.inf)
 
 
-def candidates(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """blocks [R, NB, BLOCK] (`_blocks`), k <= the row length -> (values [R, k], ids [R, k]): each row's k
-    largest logits, descending, higher ids first among equal values."""
-    R, nb, block = blocks.shape
-    _, reversed_at = jax.lax.top_k(jnp.max(blocks, axis=-1)[:, ::-1], min(k, nb))
-    chosen = -jnp.sort(reversed_at - (nb - 1), axis=-1)  # block numbers, highest first
-    ids = (chosen[:, :, None] * block + jnp.arange(block - 1, -1, -1, dtype=jnp.int32)).reshape(R, -1)
-    values, at = jax.lax.top_k(jnp.take_along_axis(blocks.reshape(R, -1), ids, axis=-1), k)
+def candidates(x: jax.Array, k: int, blocks: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """x [R, N] (N a multiple of prod(blocks)), k <= N -> (values [R, k], ids [R, k]): each row's k largest
+    entries, descending, higher ids first among equal values. blocks: the block sizes, finest first; each
+    level's k largest blocks (their maxima, by this function one level up) hold the level's k largest
+    entries, so only k blocks are searched at each level."""
+    R, N = x.shape
+    if blocks:
+        b = blocks[0]
+        _, chosen = candidates(jnp.max(x.reshape(R, N // b, b), axis=-1), min(k, N // b), blocks[1:])
+        chosen = -jnp.sort(-chosen, axis=-1)  # block numbers, highest first
+        ids = (chosen[:, :, None] * b + jnp.arange(b - 1, -1, -1, dtype=jnp.int32)).reshape(R, -1)
+    else:
+        ids = jnp.broadcast_to(jnp.arange(N - 1, -1, -1, dtype=jnp.int32), (R, N))
+    values, at = jax.lax.top_k(jnp.take_along_axis(x, ids, axis=-1), k)
     return values, jnp.take_along_axis(ids, at, axis=-1)
 
 
 def _tied_id(blocks, cut, per_block, r) -> jax.Array:
     """The id of the r-th highest-id token equal to cut [R] in each row (1 <= r <= their count), from the
-    per-block counts [R, NB] of those tokens and one gathered block."""
+    row's blocks [R, NB, B], the per-block counts [R, NB] of those tokens and one gathered block."""
     rows, block = jnp.arange(blocks.shape[0]), blocks.shape[-1]
     from_block = jnp.cumsum(per_block[:, ::-1], axis=-1)[:, ::-1]  # tied tokens in block b and above
     b = jnp.clip(jnp.sum(from_block >= r[:, None], axis=-1) - 1, 0, blocks.shape[1] - 1)
@@ -78,17 +90,18 @@ def _tied_kept(above, p_tied, top_p, count) -> jax.Array:
     return jnp.where(top_p >= 1, count, guess)
 
 
-def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, block: int = BLOCK):
+def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, blocks: tuple[int, ...] = BLOCKS):
     """Tempered logits x [R, V], top_k and top_p [R] -> (cut, tie_id, top, total) as sampling.Filtered holds
     them: exact for rows with 1 <= top_k <= K (top_k > V keeps the whole row, as transformers does); other
-    rows' values are not the filter's. block: tokens per block (any size gives the same result)."""
-    blocks = _blocks(x, block)
-    values, ids = candidates(blocks, min(K, x.shape[-1]))
+    rows' values are not the filter's. blocks: `candidates`' block sizes (any give the same result)."""
+    padded = _padded(x, blocks)
+    values, ids = candidates(padded, min(K, x.shape[-1]), blocks)
+    by_block = padded.reshape(x.shape[0], -1, blocks[0])  # the finest level's blocks
     rows, n = jnp.arange(x.shape[0]), values.shape[-1]
     k = jnp.clip(top_k, 1, n)
     thr, top = values[rows, k - 1], values[:, 0]
     in_k = values >= thr[:, None]
-    per_block = jnp.sum(blocks == thr[:, None, None], axis=-1)  # the pass over the row for the tied tokens
+    per_block = jnp.sum(by_block == thr[:, None, None], axis=-1)  # the pass over the row for the tied tokens
     n_tied = jnp.sum(values == thr[:, None], axis=-1)  # tied candidates
     tail = jnp.sum(per_block, axis=-1) - n_tied  # tied tokens past the candidates
     w = jnp.where(in_k, jnp.exp(values - top[:, None]), 0.0)
@@ -104,6 +117,6 @@ def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, block: int = B
     last = jnp.sum(keep, axis=-1) - 1  # the most likely token is always kept
     past = tail_kept > 0
     cut = jnp.where(past, thr, values[rows, last])
-    tie_id = jnp.where(past, _tied_id(blocks, thr, per_block, n_tied + tail_kept), ids[rows, last])
+    tie_id = jnp.where(past, _tied_id(by_block, thr, per_block, n_tied + tail_kept), ids[rows, last])
     total = jnp.sum(jnp.where(keep, w, 0.0), axis=-1) + tail_kept * w_thr
     return cut, tie_id, top, total
