@@ -99,7 +99,8 @@ def _draft_steps() -> dict:
 def _verify_parts(s: Setup, batch: int, gamma: int, settings) -> dict:
     """The rejection sampler alone (sampling.verify) on a round's filtered target rows, with argmax drafts
     (q one-hot) and with sampled drafts (q over the draft vocabulary: p at the drafts and the residual over
-    the union of the two vocabularies): field -> (fn, args)."""
+    the union of the two vocabularies): field -> (fn, args). settings: (temperature, top_k, top_p), one
+    value per verify row [batch (gamma + 1)]."""
     V, Vd = s.plan.target.vocab_size, s.plan.drafter.draft_vocab_size
     logits = jax.random.normal(jax.random.key(5), (batch * (gamma + 1), V), jnp.float32) * 3
     p = sampling_lib.filter_rows(logits, *settings, filter="candidates")
@@ -146,7 +147,7 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
     draft_logits = jax.random.normal(jax.random.key(8), (batch, s.plan.drafter.draft_vocab_size), jnp.float32) * 3
     for name, fn in _draft_steps().items():
         entry[name] = _time(s, fn, (draft_logits, *(x[:batch] for x in settings), jax.random.key(0)))
-    for name, (fn, args) in _verify_parts(s, batch, gamma, tuple(x[:batch] for x in settings)).items():
+    for name, (fn, args) in _verify_parts(s, batch, gamma, settings).items():
         entry[name] = _time(s, fn, args)
     run.add("sampling", entry)
 

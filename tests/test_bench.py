@@ -105,7 +105,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     run = Run(600, tmp_path, "bench.json")
     setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
     sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step
-    sampling.sampling(run, setup, 1, 1, "xla")  # a round, and its parts
+    sampling.sampling(run, setup, 2, 1, "xla")  # a round, and its parts, at batch 2 (rows and batch apart)
     spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
