@@ -1,9 +1,9 @@
 """`eagle3-jax bench --sampling-only`: a sampled round against a greedy round as the engine runs them (the
 aim: at most 3% more), spec off and at gamma 3, in each of the sampling builds (the candidate filter's for
 Qwen3's settings, the radix search's for top-p alone); then the parts of a round's sampling work timed
-alone: the target's filter (the candidate filter at three choices of blocks, the radix search, one sort per
-row), one draft step's filter and draw over the draft vocabulary (the same three), and the rejection sampler
-with argmax and with sampled drafts."""
+alone: the target's filter (the candidate filter at three choices of blocks and with 32 candidates, the
+radix search, one sort per row), one draft step's filter and draw over the draft vocabulary (the three
+choices of blocks), and the rejection sampler with argmax and with sampled drafts."""
 
 from __future__ import annotations
 
@@ -79,8 +79,11 @@ def _filters() -> dict:
         f = sampling_lib.filter_rows(logits, t, k, p, filter="radix")
         return f.cut, f.tie_id, f.total
 
+    def fewer(logits, t, k, p):  # 32 candidates a row (exact for top_k in [1, 32], as Qwen3's 20)
+        return candidate_filter.filter_rows(sampling_lib.tempered(logits, t), k, p, count=32)
+
     blocks = {_named("filter", b): by_blocks(b) for b in (candidate_filter.BLOCKS, *OTHER_BLOCKS)}
-    return {**blocks, "filter_radix_ms": radix, "filter_sort_ms": sorted_filter}
+    return {**blocks, "filter_k32_ms": fewer, "filter_radix_ms": radix, "filter_sort_ms": sorted_filter}
 
 
 def _draft_steps() -> dict:

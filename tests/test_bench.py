@@ -93,7 +93,7 @@ def test_kernel_groups_sort_a_profile_by_kind():
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
     """`--sampling-only`'s measurement at tiny shapes (its fields, each sampled round in the build its settings
-    take), every block size of the candidate filter finds the radix search's cuts, and the sort-based filter
+    take), every variant of the candidate filter finds the radix search's cuts, and the sort-based filter
     it is timed against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's
     alone)."""
     import jax
@@ -120,12 +120,12 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in parts)
     assert {"filter_blocks32_ms", "filter_blocks16x16_ms", "draft_step_blocks16x16_ms", "filter_radix_ms"} <= set(parts)
     assert len(sampling.summary_lines(run.results)) == 4
-    # Every block size of the candidate filter and the radix search find the same cuts.
+    # Every block size of the candidate filter, 32 candidates at top_k 20, and the radix search find the same cuts.
     x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
     t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
     filters = sampling._filters()
     radix = jax.jit(filters["filter_radix_ms"])(x, t, k, p)
-    for name in ("filter_ms", "filter_blocks32_ms", "filter_blocks16x16_ms"):
+    for name in ("filter_ms", "filter_blocks32_ms", "filter_blocks16x16_ms", "filter_k32_ms"):
         cut, tie_id, _, total = jax.jit(filters[name])(x, t, k, p)
         np.testing.assert_array_equal(cut, radix[0])
         np.testing.assert_array_equal(tie_id, radix[1])

@@ -90,12 +90,14 @@ def _tied_kept(above, p_tied, top_p, count) -> jax.Array:
     return jnp.where(top_p >= 1, count, guess)
 
 
-def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, blocks: tuple[int, ...] = BLOCKS):
+def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, blocks: tuple[int, ...] = BLOCKS,
+                count: int = K):
     """Tempered logits x [R, V], top_k and top_p [R] -> (cut, tie_id, top, total) as sampling.Filtered holds
-    them: exact for rows with 1 <= top_k <= K (top_k > V keeps the whole row, as transformers does); other
-    rows' values are not the filter's. blocks: `candidates`' block sizes (any give the same result)."""
+    them: exact for rows with 1 <= top_k <= count, the candidates per row (top_k > V keeps the whole row, as
+    transformers does); other rows' values are not the filter's. blocks: `candidates`' block sizes (any give
+    the same result)."""
     padded = _padded(x, blocks)
-    values, ids = candidates(padded, min(K, x.shape[-1]), blocks)
+    values, ids = candidates(padded, min(count, x.shape[-1]), blocks)
     by_block = padded.reshape(x.shape[0], -1, blocks[0])  # the finest level's blocks
     rows, n = jnp.arange(x.shape[0]), values.shape[-1]
     k = jnp.clip(top_k, 1, n)
