@@ -3,7 +3,7 @@ aim: at most 3% more), spec off and at gamma 3, in each of the sampling builds (
 Qwen3's settings, the radix search's for top-p alone); then the parts of a round's sampling work timed
 alone: the target's filter (the candidate filter at three choices of blocks and with 32 candidates, the
 radix search, one sort per row), one draft step's filter and draw over the draft vocabulary (the three
-choices of blocks), and the rejection sampler with argmax and with sampled drafts."""
+choices of blocks), and the rejection sampler with argmax and with sampled drafts, and its last draw alone."""
 
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ def _draft_steps() -> dict:
 def _verify_parts(s: Setup, batch: int, gamma: int, settings) -> dict:
     """The rejection sampler alone (sampling.verify) on a round's filtered target rows, with argmax drafts
     (q one-hot) and with sampled drafts (q over the draft vocabulary: p at the drafts and the residual over
-    the union of the two vocabularies): field -> (fn, args). settings: (temperature, top_k, top_p), one
+    the union of the two vocabularies), and its last draw alone (one token from each batch row's [V]
+    distribution, as either ends): field -> (fn, args). settings: (temperature, top_k, top_p), one
     value per verify row [batch (gamma + 1)]."""
     V, Vd = s.plan.target.vocab_size, s.plan.drafter.draft_vocab_size
     logits = jax.random.normal(jax.random.key(5), (batch * (gamma + 1), V), jnp.float32) * 3
@@ -112,9 +113,11 @@ def _verify_parts(s: Setup, batch: int, gamma: int, settings) -> dict:
     drafts = jnp.broadcast_to(q_ids[:gamma], (batch, gamma))
     keys = sampling_lib.row_keys(jnp.zeros((batch, 2), jnp.uint32), jnp.arange(batch))
     room = jnp.full((batch,), gamma, jnp.int32)
+    probs = p.rows(jnp.arange(batch) * (gamma + 1)).probs()
     return {"verify_argmax_ms": (lambda p, d, r: sampling_lib.verify(keys, p, d, None, r), (p, drafts, room)),
             "verify_sample_ms": (lambda p, d, q, r, i: sampling_lib.verify(keys, p, d, q, r, i),
-                                 (p, drafts, q, room, q_ids))}
+                                 (p, drafts, q, room, q_ids)),
+            "final_draw_ms": (lambda w: sampling_lib.categorical(keys, w), (probs,))}
 
 
 def _time(s: Setup, fn, args) -> float:
@@ -167,5 +170,6 @@ def summary_lines(results: dict) -> list[str]:
                 f"{k[:-3]} {e[k]:.3f} ms" for k in _filters()))
             steps = ", ".join(f"{k[:-3]} {e[k]:.3f} ms" for k in _draft_steps())
             lines.append(f"{'':2s}over [{e['batch']}, Vd], x{e['gamma']} a round: {steps}; verify: argmax drafts "
-                         f"{e['verify_argmax_ms']:.3f} ms, sampled drafts {e['verify_sample_ms']:.3f} ms")
+                         f"{e['verify_argmax_ms']:.3f} ms, sampled drafts {e['verify_sample_ms']:.3f} ms, its last "
+                         f"draw over [{e['batch']}, V] {e['final_draw_ms']:.3f} ms")
     return lines

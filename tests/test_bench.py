@@ -116,7 +116,7 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
               for _, settings in sampling.SETTINGS]
     assert builds == ["candidates", "radix"]
     assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off and "draft_step_ms" not in spec_off
-    parts = [*sampling._filters(), *sampling._draft_steps(), "verify_argmax_ms", "verify_sample_ms"]
+    parts = [*sampling._filters(), *sampling._draft_steps(), "verify_argmax_ms", "verify_sample_ms", "final_draw_ms"]
     assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in parts)
     assert {"filter_blocks32_ms", "filter_blocks16x16_ms", "draft_step_blocks16x16_ms", "filter_radix_ms"} <= set(parts)
     assert len(sampling.summary_lines(run.results)) == 4
