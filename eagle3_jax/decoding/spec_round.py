@@ -7,7 +7,7 @@ Invariants, per row b:
   * the drafter cache holds the pairs (g_t, x_{t+1}) for t < n, at positions t, so its length is n
     too; `draft_hidden` is the drafter's pre-norm output at position n - 1, from which d_1 comes;
   * a row that is done is frozen: nothing it owns changes any more.
-A round with gamma = 0 and no drafter is a plain decoding step.
+A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` rebuilds it once per call).
 
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
 settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
@@ -181,7 +181,14 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
 
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     """Draft gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
-    for sampled rows), commit by index, rebuild."""
+    for sampled rows), commit by index, rebuild. With gamma 0 and a drafter, the drafter is left as it was:
+    `spec_rounds` brings it up to date once per call."""
+    new_state, packed, _ = _round(tparams, dparams, state, spec)
+    return new_state, packed
+
+
+def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
+    """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None)."""
     n = state.target_cache.lengths
     B, G = n.shape[0], spec.gamma
     embed = draft_q = None
@@ -227,13 +234,47 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         )
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
-    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done)
+    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done), features
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]
+    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 5]
     (round_output.py)).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
-    Rounds after a row is done leave it unchanged, as a single round does."""
-    return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
+    Rounds after a row is done leave it unchanged, as a single round does.
+    With gamma 0 and a drafter the rounds are plain steps and the drafter catches up at the call's end
+    (`_catch_up`), so every call leaves the drafter consistent and the next may draft again."""
+    if spec.gamma > 0 or spec.drafter is None:
+        return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
+
+    def plain(s, _):
+        new, packed, features = _round(tparams, dparams, s, spec)
+        return new, (packed, features[:, 0], new.last_token)
+
+    end, (packed, features, tokens) = jax.lax.scan(plain, state, None, length=num_rounds)
+    return _catch_up(tparams, dparams, state, end, packed, features, tokens, spec)
+
+
+def _catch_up(tparams, dparams, start: DecodeState, end: DecodeState, packed, features, tokens, spec: StepSpec):
+    """The drafter's rebuild for a call of plain rounds, in one pass over all of them: round r committed the
+    pair (g_{n+r}, x_{n+r+1}) (features [R, B, C], tokens [R, B]) for the rows live in it, so the drafter
+    reads its weights once per call instead of once per round. The same pass gives each round's would-be
+    first draft d_1 for free but its lm_head, and the shadow column reports whether it equals the emitted
+    token (a sampled row's token equals an argmax draft d with probability p(d), the chance the round would
+    have accepted it). Rows of other lengths or done: only their committed pairs count (`with_lengths`)."""
+    embed = dparams.get("embed", tparams["embed"])
+    h = drafter_lib.project_features(dparams, spec.drafter, jnp.swapaxes(features, 0, 1))
+    out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, tokens.T, start.draft_cache, spec.kernels)
+    committed = end.target_cache.lengths - start.target_cache.lengths  # [B] rounds each row was live in
+    rows = jnp.arange(committed.shape[0])
+    newest = out[rows, jnp.maximum(committed - 1, 0)]
+    state = dataclasses.replace(
+        end,
+        draft_cache=draft_cache.with_lengths(end.target_cache.lengths),
+        draft_hidden=jnp.where((committed > 0)[:, None], newest, start.draft_hidden),
+    )
+    before = jnp.concatenate([start.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each round's d_1 is from
+    matched = (drafter_lib.draft_token(dparams, spec.drafter, before) == tokens.T).astype(jnp.int32)
+    live = jnp.arange(tokens.shape[0])[None, :] < committed[:, None]  # [B, R]
+    return state, packed.at[:, :, -1].set(jnp.where(live, matched, -1).T)

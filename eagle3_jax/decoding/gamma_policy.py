@@ -1,0 +1,124 @@
+"""The choice of gamma (draft tokens per round, 0 included) for each call of rounds, from the acceptance
+observed so far in the request and what a call of each gamma costs (round_costs.py). Pure functions over
+small numpy arrays.
+
+The model: draft position i is accepted with probability alpha_i given that positions 1 .. i-1 were (the
+conditional acceptance rate), the same for every row of the request. A round of gamma g then emits
+E(g) = 1 + sum_{i <= g} prod_{j <= i} alpha_j tokens per live row on average, and the policy takes the gamma
+of the most expected tokens per second, E(g) / cost(g), at the pool's batch size and KV length.
+
+Estimates are decayed counts, so that they follow a drafter that is good on part of the text and poor on
+the rest: every round multiplies the counts by DECAY before adding its own (a memory of about
+1 / (1 - DECAY) rounds of every row). Position 1's estimate starts from PRIOR_MEAN; position i > 1's
+starts from position i - 1's estimate, so a position no round has reached yet is taken to accept as the
+one before it does: the policy tries one more draft where the last one it ran is accepted often enough
+to pay for it, and no position needs a round of its own to be explored. The prior weighs PRIOR_WEIGHT
+rounds; it is light, so that a drafter that is never right reads as alpha about 0 within a few calls: a
+wrong estimate of 0.1 where the truth is 0 would keep gamma 1 (5% dearer than a plain step on an 8B
+target at batch 1) running for nothing.
+
+Rounds of gamma 0 still observe position 1: their calls rebuild the drafter (spec_round.spec_rounds) and
+report whether its would-be first draft equals the emitted token (round_output's shadow column). Without
+that observation gamma 0 would be absorbing: nothing could show the drafter improving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PRIOR_MEAN = 0.5  # a drafter of unknown quality: speculation is tried first, and dropped if it does not pay
+PRIOR_WEIGHT = 0.5  # rounds' worth of evidence the prior holds
+DECAY = 0.95  # per round: a memory of about 20 rounds of every row
+
+
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+    """Decayed counts per draft position 1 .. G: `reached[i-1]` rows' rounds drafted position i and knew its
+    fate, `accepted[i-1]` of them accepted it."""
+
+    accepted: np.ndarray  # [G] float64
+    reached: np.ndarray  # [G] float64
+
+    @classmethod
+    def fresh(cls, max_gamma: int) -> Acceptance:
+        return cls(np.zeros(max_gamma), np.zeros(max_gamma))
+
+
+def round_counts(gamma: int, max_gamma: int, accepted, emitted, done, shadow) -> tuple[np.ndarray, np.ndarray]:
+    """One round's evidence over its rows (arrays [B]; rows that emitted nothing tell nothing): (accepted
+    [G], reached [G]). A row of a gamma g round that committed a drafts accepted positions 1 .. a, and
+    rejected position a + 1 when a < g and the round ran to its end (it emitted a + 1 tokens and the row
+    goes on); a round cut by a stop token, max_new_tokens or max_len is censored after its committed
+    drafts, since the cut, not the drafter, ended it. A gamma 0 round reports position 1 through `shadow`
+    (1 matched, 0 not, -1 no observation)."""
+    accepted, emitted, done, shadow = (np.asarray(x) for x in (accepted, emitted, done, shadow))
+    positions = np.arange(1, max_gamma + 1)[None, :]
+    live = emitted[:, None] > 0
+    if gamma == 0:
+        seen = live[:, 0] & (shadow >= 0)
+        hits, tries = np.zeros(max_gamma), np.zeros(max_gamma)
+        hits[:1], tries[:1] = np.sum(shadow[seen] == 1), np.sum(seen)
+        return hits, tries
+    a = accepted[:, None]
+    rejected_at = np.where((a < gamma) & (emitted[:, None] == a + 1) & ~done[:, None], a + 1, 0)
+    hits = live & (positions <= a)
+    tries = hits | (live & (positions == rejected_at))
+    return hits.sum(0).astype(float), tries.sum(0).astype(float)
+
+
+def observe(stats: Acceptance, gamma: int, accepted, emitted, done, shadow) -> Acceptance:
+    """`stats` after one more round (`round_counts`'s arguments), the older evidence decayed."""
+    hits, tries = round_counts(gamma, len(stats.accepted), accepted, emitted, done, shadow)
+    return Acceptance(DECAY * stats.accepted + hits, DECAY * stats.reached + tries)
+
+
+def rates(stats: Acceptance) -> np.ndarray:
+    """The conditional acceptance rate of each draft position [G], each estimate's prior the one before."""
+    out, prior = np.empty(len(stats.accepted)), PRIOR_MEAN
+    for i, (hits, tries) in enumerate(zip(stats.accepted, stats.reached)):
+        out[i] = prior = (PRIOR_WEIGHT * prior + hits) / (PRIOR_WEIGHT + tries)
+    return out
+
+
+def expected_tokens(alpha: np.ndarray) -> np.ndarray:
+    """Tokens a round of each gamma 0 .. G emits per row on average [G + 1]: 1 + sum_{i <= g} prod_{j <= i}."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])
+
+
+def choose(alpha: np.ndarray, seconds) -> int:
+    """The gamma of the most expected tokens per second, `seconds[g]` what a call of gamma g costs (a tie
+    goes to the smaller gamma)."""
+    seconds = np.asarray(seconds, float)
+    if seconds.shape != (len(alpha) + 1,) or not np.all(seconds > 0):
+        raise ValueError(f"seconds must be {len(alpha) + 1} positive costs, one per gamma, got {seconds!r}")
+    return int(np.argmax(expected_tokens(alpha) / seconds))
+
+
+class Fixed:
+    """The policy of an engine built for one gamma: every call runs it."""
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def choose(self, length: float) -> int:
+        return self.gamma
+
+    def observe(self, gamma: int, out) -> None:
+        """A fixed gamma learns nothing from what it sees."""
+
+
+class Auto:
+    """The policy of one request under num_draft_tokens="auto": the acceptance its rounds showed so far
+    (`observe`), and `seconds(length)`, a call's cost per gamma 0 .. G at its pool's batch size."""
+
+    def __init__(self, max_gamma: int, seconds):
+        self.stats, self._seconds = Acceptance.fresh(max_gamma), seconds
+
+    def choose(self, length: float) -> int:
+        return choose(rates(self.stats), self._seconds(length))
+
+    def observe(self, gamma: int, out) -> None:
+        """One round's output (round_output.RoundOutput)."""
+        self.stats = observe(self.stats, gamma, out.accepted, out.emitted, out.done, out.shadow)
