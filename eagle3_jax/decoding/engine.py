@@ -333,6 +333,19 @@ class Engine:
         rows = self._pool_rows(request)
         return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request))
 
+    def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+        """The request `generate` runs for these arguments, checked against this engine's max_len and the
+        target's vocabulary; raises ValueError before any device work."""
+        self.device_events = []  # a request refused here did nothing on the device
+        return Request.build(prompts, max_new_tokens, stop_token_ids, max_len=self.max_len,
+                             vocab_size=self.target.config.vocab_size, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
+
+    def _pool_rows(self, request: Request) -> int:
+        """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""
+        return min(self.max_batch, request.num_rows)
+
     def _events(self, request: Request, trace: bool = False) -> Iterator[scheduler.Event]:
         self.device_events = []
         return scheduler.run(self._ops(request), request, self._pool_rows(request), policy=self._policy(request),

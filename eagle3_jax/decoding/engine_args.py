@@ -27,7 +27,7 @@ def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens) -> tuple[
     if max_draft_tokens is not None:
         raise ValueError(f"max_draft_tokens is for num_draft_tokens='auto'; with num_draft_tokens="
                          f"{num_draft_tokens!r} leave it None (got {max_draft_tokens!r})")
-    return num_draft_tokens, False
+    return (int(num_draft_tokens) if is_int(num_draft_tokens) else num_draft_tokens), False
 
 
 def check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:

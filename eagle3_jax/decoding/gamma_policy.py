@@ -13,9 +13,10 @@ the rest: every round multiplies the counts by DECAY before adding its own (a me
 starts from position i - 1's estimate, so a position no round has reached yet is taken to accept as the
 one before it does: the policy tries one more draft where the last one it ran is accepted often enough
 to pay for it, and no position needs a round of its own to be explored. The prior weighs PRIOR_WEIGHT
-rounds; it is light, so that a drafter that is never right reads as alpha about 0 within a few calls: a
-wrong estimate of 0.1 where the truth is 0 would keep gamma 1 (5% dearer than a plain step on an 8B
-target at batch 1) running for nothing.
+rounds; it is light, so that a drafter that is never right reads as alpha about 0 within a few calls: at
+batch 1 the steady estimate of such a drafter is PRIOR_WEIGHT * PRIOR_MEAN / (PRIOR_WEIGHT + 1 / (1 - DECAY))
+= 0.012, well under the 4-5% by which a round of gamma 1 costs more than a plain one on an 8B target at
+batch 1 (a wrong 0.05 would keep gamma 1 running for nothing).
 
 Rounds of gamma 0 still observe position 1: their calls rebuild the drafter (spec_round.spec_rounds) and
 report whether its would-be first draft equals the emitted token (round_output's shadow column). Without
@@ -29,8 +30,8 @@ import dataclasses
 import numpy as np
 
 PRIOR_MEAN = 0.5  # a drafter of unknown quality: speculation is tried first, and dropped if it does not pay
-PRIOR_WEIGHT = 0.5  # rounds' worth of evidence the prior holds
-DECAY = 0.95  # per round: a memory of about 20 rounds of every row
+PRIOR_WEIGHT = 0.25  # rounds' worth of evidence the prior holds
+DECAY = 0.9  # per round: a memory of about 10 rounds of every row
 
 
 @dataclasses.dataclass(frozen=True)

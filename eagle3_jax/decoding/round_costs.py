@@ -138,11 +138,14 @@ def timing_pool(state, length: int, vocab_size: int, max_len: int):
     and room to run to max_len: what a timed call runs on. The caches' entries stay zeros: a call's cost
     does not depend on their values."""
     B = state.done.shape[0]
-    lengths = jnp.full((B,), length, jnp.int32)
+
+    def lengths():  # one buffer per use: the call donates each
+        return jnp.full((B,), length, jnp.int32)
+
     return dataclasses.replace(
         state,
-        target_cache=state.target_cache.with_lengths(lengths),
-        draft_cache=None if state.draft_cache is None else state.draft_cache.with_lengths(lengths),
+        target_cache=state.target_cache.with_lengths(lengths()),
+        draft_cache=None if state.draft_cache is None else state.draft_cache.with_lengths(lengths()),
         last_token=jax.random.randint(jax.random.key(length), (B,), 0, vocab_size, jnp.int32),
         num_generated=jnp.zeros((B,), jnp.int32),
         max_new=jnp.full((B,), max_len, jnp.int32),
