@@ -1,5 +1,6 @@
 """Sampling through Engine.generate: the distribution of the first three tokens against an exact float64
-enumeration (chi-square, spec off and both proposal modes at gamma 1-3), the gate's power against two
+enumeration (chi-square, spec off and both proposal modes at gamma 1-3, and through a change of gamma under
+"auto"), the gate's power against two
 wrong samplers, rows that behave (greedy rows in mixed batches, seeds), the edges, bad settings, and no
 recompilation when settings change."""
 
