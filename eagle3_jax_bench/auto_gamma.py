@@ -77,10 +77,23 @@ def compare(target, drafter, batches, max_gamma: int, prompt_len: int, max_new: 
         auto = by_name["auto"]["tokens_per_s"]
         row = {"batch": batch, "runs": by_name, "best_fixed_gamma": int(best),
                "auto_vs_spec_off": auto / by_name["0"]["tokens_per_s"],
-               "auto_vs_best_fixed": auto / by_name[best]["tokens_per_s"]}
+               "auto_vs_best_fixed": auto / by_name[best]["tokens_per_s"],
+               "catch_up": catch_up(target, drafter, max_len, batch, prompt_len + max_new // 2)}
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
         rows.append(row)
     return rows
+
+
+def catch_up(target, drafter, max_len: int, batch: int, length: int) -> dict:
+    """What keeping the drafter consistent costs a gamma-0 call: one call of rounds with the drafter (its
+    rebuild over the call's pairs and the shadow drafts, once per call) against one without (spec-off)."""
+    with_drafter = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, max_len=max_len,
+                                     max_batch=batch).time_call(batch, length, 0)
+    spec_off = eagle3_jax.Engine(target, max_len=max_len, max_batch=batch).time_call(batch, length, 0)
+    row = {"kv_len": length, "call_ms_with_drafter": with_drafter * 1e3, "call_ms_spec_off": spec_off * 1e3,
+           "overhead": with_drafter / spec_off - 1}
+    print(json.dumps({"batch": batch, **row}), flush=True)
+    return row
 
 
 def calibrate(target, drafter, batches, max_gamma: int, max_len: int) -> dict:

@@ -272,8 +272,8 @@ class Engine:
         longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
         waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
         each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds
-        (of every gamma under "auto"); greedy, or the sampling build when `samples`. Returns how many prefill
-        shapes ran."""
+        (of every gamma under "auto", whose round costs at the pool's size it also measures or loads); greedy,
+        or the sampling build when `samples`. Returns how many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0
         template = self.request([[0] * longest_prompt], 1, temperature=temperature)
         ops, pool = self._ops(template), self.max_batch
@@ -289,6 +289,8 @@ class Engine:
         for gamma in self.gammas:
             state, packed = ops.rounds(state, gamma)
             ops.fetch(packed)
+        if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
+            self.round_costs(pool, 0.0, template)
         return shapes
 
     @property
@@ -303,8 +305,7 @@ class Engine:
         (which compiles each gamma at it, as the request would)."""
         if self._given_costs is not None:
             return self._given_costs(batch, length)
-        if template is None:
-            template = Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
+        template = template or self._greedy_template()
         samples = bool(template.samples)
         if samples not in self._costs:
             spec = self._build(template)
@@ -314,11 +315,16 @@ class Engine:
                                                                                 self.num_draft_tokens))
             self._costs[samples] = round_costs.RoundCosts(round_costs.cache_key(fields), round_costs.default_folder(),
                                                           lengths, len(self.gammas))
-        return self._costs[samples].seconds(batch, length, lambda b, n, g: self._time_call(b, n, g, template))
+        return self._costs[samples].seconds(batch, length, lambda b, n, g: self.time_call(b, n, g, template))
 
-    def _time_call(self, batch: int, length: int, gamma: int, template: Request) -> float:
+    def _greedy_template(self) -> Request:
+        return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
+
+    def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None) -> float:
         """Seconds per call of rounds of `gamma` on a dummy pool of `batch` live rows at KV `length`, of the
-        template request's build and widths (not in `device_events`: they record requests)."""
+        template request's build and widths (None: greedy, one stop id); not in `device_events`, which
+        records requests."""
+        template = template or self._greedy_template()
         spec = dataclasses.replace(self._build(template), gamma=gamma)
         rows = jax.device_put(template.take([], batch, self.max_len))
         state = jit_empty(self.target.params, self._draft_params, rows,
