@@ -109,6 +109,9 @@ class Fixed:
     def observe(self, gamma: int, out) -> None:
         """A fixed gamma learns nothing from what it sees."""
 
+    def may_choose_ahead(self) -> bool:
+        return True
+
 
 class Auto:
     """The policy of one request under num_draft_tokens="auto": the acceptance its rounds showed so far
@@ -123,3 +126,8 @@ class Auto:
     def observe(self, gamma: int, out) -> None:
         """One round's output (round_output.RoundOutput)."""
         self.stats = observe(self.stats, gamma, out.accepted, out.emitted, out.done, out.shadow)
+
+    def may_choose_ahead(self) -> bool:
+        """Not before the first call's rounds are read: the second call would be the prior's choice again (with
+        a drafter that is never right, 4 more rounds of speculation for nothing)."""
+        return bool(self.stats.reached.any())

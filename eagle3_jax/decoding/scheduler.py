@@ -76,6 +76,10 @@ class Policy(Protocol):
 
     def observe(self, gamma: int, out: RoundOutput) -> None: ...  # one round's output, read
 
+    # Whether a call may be chosen before the one in flight is read: a policy with no evidence yet would
+    # choose the second call from its prior too.
+    def may_choose_ahead(self) -> bool: ...
+
 
 def run(ops: Ops, request: Request, pool: int, *, policy: Policy, prefill_gamma: int, rounds_per_call: int,
         max_len: int, speculative: bool, prefill_tokens: int, trace: bool = False) -> Iterator[Event]:
@@ -126,7 +130,7 @@ def run(ops: Ops, request: Request, pool: int, *, policy: Policy, prefill_gamma:
     while queue and ((owner >= 0).any() or next_prompt < P):
         kind, packed, gamma, (owners, slot_of_row) = queue.popleft()
         busy = owner >= 0
-        if kind == "rounds" and not rounds_queued() and busy.any():
+        if kind == "rounds" and not rounds_queued() and busy.any() and policy.may_choose_ahead():
             ahead = choose()
             need = left[owner[busy]] > rounds_per_call * (ahead + 1)
             if need.all() if next_prompt < P else need.any():
