@@ -22,7 +22,7 @@ def rounds_of(gamma, accepted, emitted, done=None, shadow=None):
     """One round's outputs as the policy reads them."""
     n = len(accepted)
     return (gamma, np.array(accepted), np.array(emitted), np.zeros(n, bool) if done is None else np.array(done),
-            np.full(n, -1) if shadow is None else np.array(shadow))
+            np.zeros((n, 2), int) if shadow is None else np.array(shadow))
 
 
 def test_round_counts_censor_cut_rounds_and_read_the_shadow():
@@ -31,8 +31,9 @@ def test_round_counts_censor_cut_rounds_and_read_the_shadow():
     hits, tries = policy.round_counts(3, 4, *rounds_of(3, [1, 3, 1, 0, 0], [2, 4, 1, 1, 0],
                                                        done=[0, 0, 1, 1, 1])[1:])
     assert hits.tolist() == [3, 1, 1, 0] and tries.tolist() == [3, 2, 1, 0]
-    hits, tries = policy.round_counts(0, 2, *rounds_of(0, [0, 0, 0], [1, 1, 0], shadow=[1, 0, -1])[1:])
-    assert hits.tolist() == [1, 0] and tries.tolist() == [2, 0]
+    # A flushing gamma-0 call's last round: per row, (held pairs whose token was the would-be draft, pairs).
+    hits, tries = policy.round_counts(0, 2, *rounds_of(0, [0, 0, 0], [1, 1, 0], shadow=[[3, 8], [0, 8], [0, 0]])[1:])
+    assert hits.tolist() == [3, 0] and tries.tolist() == [16, 0]
 
 
 def observed(max_gamma, rounds):
@@ -45,7 +46,7 @@ def observed(max_gamma, rounds):
 def test_a_drafter_never_right_goes_to_gamma_0_and_a_perfect_one_to_the_largest():
     costs = [1.0, 1.05, 1.1, 1.15]  # gamma g costs 5% more a draft: an 8B target at batch 1
     assert policy.choose(policy.rates(policy.Acceptance.fresh(3)), costs) == 3  # the prior tries speculation
-    never = observed(3, [rounds_of(3, [0], [1])] * 3 + [rounds_of(0, [0], [1], shadow=[0])] * 40)
+    never = observed(3, [rounds_of(3, [0], [1])] * 3 + [rounds_of(0, [0], [1], shadow=[[0, 1]])] * 40)
     assert policy.rates(never)[0] < 0.02 and policy.choose(policy.rates(never), costs) == 0
     perfect = observed(3, [rounds_of(3, [3] * 8, [4] * 8)] * 3)
     assert policy.rates(perfect).min() > 0.95 and policy.choose(policy.rates(perfect), costs) == 3
@@ -63,11 +64,28 @@ def test_a_cheap_gamma_wins_and_unseen_positions_take_the_last_seen_rate():
 
 def test_the_shadow_leaves_gamma_0_when_the_drafter_turns_good():
     costs = [1.0, 1.3, 1.6]
-    stats = observed(2, [rounds_of(0, [0], [1], shadow=[0])] * 30)
+    stats = observed(2, [rounds_of(0, [0], [1], shadow=[[0, 1]])] * 30)
     assert policy.choose(policy.rates(stats), costs) == 0
     for _ in range(20):
-        stats = policy.observe(stats, *rounds_of(0, [0], [1], shadow=[1]))
+        stats = policy.observe(stats, *rounds_of(0, [0], [1], shadow=[[1, 1]]))
     assert policy.choose(policy.rates(stats), costs) > 0
+
+
+def test_gamma_0_holds_its_pairs_and_flushes_every_few_calls_and_before_drafting():
+    costs = {"now": [1.0, 2.0]}
+    auto = policy.Auto(1, lambda length: costs["now"])
+    auto.stats = observed(1, [rounds_of(1, [0], [1])] * 10)  # a drafter never right: gamma 0
+    calls = []
+    for _ in range(2 * policy.FLUSH_CALLS + 1):
+        calls.append(auto.choose(0.0))
+        auto.dispatched(calls[-1])
+    assert [c.flush for c in calls] == ([False] * (policy.FLUSH_CALLS - 1) + [True]) * 2 + [False]
+    assert {c.gamma for c in calls} == {0}
+    costs["now"] = [2.0, 1.0]  # drafting is now cheaper: first the held pairs go to the drafter
+    assert auto.choose(0.0) == policy.Call(0, flush=True)
+    auto.dispatched(policy.Call(0, flush=True))
+    assert auto.choose(0.0) == policy.Call(1)
+    assert policy.Fixed(3).choose(0.0) == policy.Call(3)
 
 
 # ----------------------------------------------------------------------------- the cost table

@@ -321,6 +321,6 @@ def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal)
             results = engine.generate(SIX, 16, **settings)
             transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
             calls = -(-max(len(r.accept_lengths) for r in results) // 4)
-            assert transfers == [(6, 2 * 3 + 5)] + [(4, 6, 2 * 3 + 5)] * calls
+            assert transfers == [(6, 2 * 3 + 6)] + [(4, 6, 2 * 3 + 6)] * calls
             assert [kind for kind, _ in engine.device_events].count("call") == calls
     assert compiles.count == 0

@@ -142,6 +142,7 @@ class Engine:
             max_len=self.max_len,
             kernels=kernels,
             exact=exact,
+            held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto else 0,
         )
         # Without a drafter there is nothing to propose: one sampling build for either choice.
         self._sampling_spec = dataclasses.replace(self._spec, sampling=True,
@@ -169,8 +170,8 @@ class Engine:
             fresh, packed = jit_prefill(*params, jax.device_put(rows), spec=prefill_spec)
             return (fresh if state is None else jit_insert(state, fresh, jax.device_put(slot_ids))), packed
 
-        def rounds(state, gamma):
-            return self._call_rounds(state, dataclasses.replace(spec, gamma=gamma))
+        def rounds(state, gamma, flush):
+            return self._call_rounds(state, dataclasses.replace(spec, gamma=gamma, flush=flush))
 
         return scheduler.Ops(empty=empty, admit=admit, rounds=rounds, fetch=self._fetch)
 
@@ -286,8 +287,8 @@ class Engine:
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
                 state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature), drop)
                 shapes += 1
-        for gamma in self.gammas:
-            state, packed = ops.rounds(state, gamma)
+        for call in self._calls():
+            state, packed = ops.rounds(state, call.gamma, call.flush)
             ops.fetch(packed)
         if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
             self.round_costs(pool, 0.0, template)
@@ -320,12 +321,21 @@ class Engine:
     def _greedy_template(self) -> Request:
         return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
 
-    def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None) -> float:
+    def _calls(self) -> list[gamma_policy.Call]:
+        """Every call of rounds this engine can run: each gamma, and under "auto" gamma 0 holding its pairs."""
+        return [gamma_policy.Call(g) for g in self.gammas] + ([gamma_policy.Call(0, False)] if self.auto else [])
+
+    def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None,
+                  flush: bool | None = None) -> float:
         """Seconds per call of rounds of `gamma` on a dummy pool of `batch` live rows at KV `length`, of the
         template request's build and widths (None: greedy, one stop id); not in `device_events`, which
-        records requests."""
+        records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
+        of which flushes."""
         template = template or self._greedy_template()
-        spec = dataclasses.replace(self._build(template), gamma=gamma)
+        if flush is None and gamma == 0 and self.auto:
+            hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
+            return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
+        spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
         rows = jax.device_put(template.take([], batch, self.max_len))
         state = jit_empty(self.target.params, self._draft_params, rows,
                           spec=self._sampling_prefill_spec if template.samples else self._spec)

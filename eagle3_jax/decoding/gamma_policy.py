@@ -18,9 +18,13 @@ batch 1 the steady estimate of such a drafter is PRIOR_WEIGHT * PRIOR_MEAN / (PR
 = 0.012, well under the 4-5% by which a round of gamma 1 costs more than a plain one on an 8B target at
 batch 1 (a wrong 0.05 would keep gamma 1 running for nothing).
 
-Rounds of gamma 0 still observe position 1: their calls rebuild the drafter (spec_round.spec_rounds) and
-report whether its would-be first draft equals the emitted token (round_output's shadow column). Without
-that observation gamma 0 would be absorbing: nothing could show the drafter improving.
+Rounds of gamma 0 still observe position 1: every FLUSH_CALLS-th gamma-0 call brings the drafter up to date
+over the pairs the calls before it held back (spec_round.spec_rounds), and reports how many of their tokens
+equal its would-be first draft (round_output's shadow columns). Without that observation gamma 0 would be
+absorbing: nothing could show the drafter improving. Holding the pairs back makes the drafter read its
+weights once per FLUSH_CALLS calls rather than once per call (docs/how-it-works.md has the arithmetic); a
+call that drafts first needs the drafter up to date, so leaving gamma 0 with pairs held takes one flushing
+gamma-0 call first.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ import numpy as np
 PRIOR_MEAN = 0.5  # a drafter of unknown quality: speculation is tried first, and dropped if it does not pay
 PRIOR_WEIGHT = 0.25  # rounds' worth of evidence the prior holds
 DECAY = 0.9  # per round: a memory of about 10 rounds of every row
+FLUSH_CALLS = 4  # gamma-0 calls per catch-up of the drafter: StepSpec.held = FLUSH_CALLS x rounds per call
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What one call of rounds runs: its gamma and, at gamma 0 with a drafter, whether it flushes the held
+    pairs into the drafter (StepSpec.flush)."""
+
+    gamma: int
+    flush: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +67,13 @@ def round_counts(gamma: int, max_gamma: int, accepted, emitted, done, shadow) ->
     rejected position a + 1 when a < g and the round ran to its end (it emitted a + 1 tokens and the row
     goes on); a round cut by a stop token, max_new_tokens or max_len is censored after its committed
     drafts, since the cut, not the drafter, ended it. A gamma 0 round reports position 1 through `shadow`
-    (1 matched, 0 not, -1 no observation)."""
+    [B, 2]: (would-be first drafts that matched, pairs), summed over rows."""
     accepted, emitted, done, shadow = (np.asarray(x) for x in (accepted, emitted, done, shadow))
     positions = np.arange(1, max_gamma + 1)[None, :]
     live = emitted[:, None] > 0
     if gamma == 0:
-        seen = live[:, 0] & (shadow >= 0)
         hits, tries = np.zeros(max_gamma), np.zeros(max_gamma)
-        hits[:1], tries[:1] = np.sum(shadow[seen] == 1), np.sum(seen)
+        hits[0], tries[0] = shadow.sum(axis=0)
         return hits, tries
     a = accepted[:, None]
     rejected_at = np.where((a < gamma) & (emitted[:, None] == a + 1) & ~done[:, None], a + 1, 0)
@@ -103,8 +116,11 @@ class Fixed:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def choose(self, length: float) -> int:
-        return self.gamma
+    def choose(self, length: float) -> Call:
+        return Call(self.gamma)
+
+    def dispatched(self, call: Call) -> None:
+        """A fixed gamma keeps no count of its calls."""
 
     def observe(self, gamma: int, out) -> None:
         """A fixed gamma learns nothing from what it sees."""
@@ -119,15 +135,25 @@ class Auto:
 
     def __init__(self, max_gamma: int, seconds):
         self.stats, self._seconds = Acceptance.fresh(max_gamma), seconds
+        self.holding = 0  # gamma-0 calls dispatched since the drafter was last brought up to date
+        self.rounds_seen = 0
 
-    def choose(self, length: float) -> int:
-        return choose(rates(self.stats), self._seconds(length))
+    def choose(self, length: float) -> Call:
+        """The next call at this mean KV length (nothing changes until it is `dispatched`)."""
+        gamma = choose(rates(self.stats), self._seconds(length))
+        if gamma == 0:
+            return Call(0, flush=self.holding + 1 == FLUSH_CALLS)
+        return Call(0) if self.holding else Call(gamma)  # the drafter must catch up before it drafts
+
+    def dispatched(self, call: Call) -> None:
+        self.holding = 0 if call.flush else self.holding + 1
 
     def observe(self, gamma: int, out) -> None:
         """One round's output (round_output.RoundOutput)."""
         self.stats = observe(self.stats, gamma, out.accepted, out.emitted, out.done, out.shadow)
+        self.rounds_seen += 1
 
     def may_choose_ahead(self) -> bool:
         """Not before the first call's rounds are read: the second call would be the prior's choice again (with
-        a drafter that is never right, 4 more rounds of speculation for nothing)."""
-        return bool(self.stats.reached.any())
+        a drafter that is never right, a call more of speculation for nothing)."""
+        return self.rounds_seen > 0

@@ -49,7 +49,7 @@ class Ops:
     # (state, request, slots) -> (state, packed first tokens); state None: the request fills the pool in slot order,
     # and its prefill's state is the pool's
     admit: Callable
-    rounds: Callable  # (state, gamma) -> (state, packed rounds [R, N, ...])
+    rounds: Callable  # (state, gamma, flush) -> (state, packed rounds [R, N, ...]) (gamma_policy.Call)
     fetch: Callable  # (packed) -> np.ndarray, the one transfer of an operation
 
 
@@ -72,7 +72,11 @@ def admission_shapes(pool: int, bucket: int, prefill_tokens: int) -> list[int]:
 class Policy(Protocol):
     """Which gamma each call of rounds runs (gamma_policy.py)."""
 
-    def choose(self, length: float) -> int: ...  # a call's gamma, at this mean KV length of the busy slots
+    # The next call (gamma_policy.Call) at this mean KV length of the busy slots; nothing changes until
+    # `dispatched` says it ran.
+    def choose(self, length: float): ...
+
+    def dispatched(self, call) -> None: ...
 
     def observe(self, gamma: int, out: RoundOutput) -> None: ...  # one round's output, read
 
@@ -112,14 +116,15 @@ def run(ops: Ops, request: Request, pool: int, *, policy: Policy, prefill_gamma:
             queue.append(("admit", packed, prefill_gamma, (np.array(take), free[: len(take)])))
             free, next_prompt = free[len(take):], next_prompt + len(take)
 
-    def choose() -> int:
+    def choose():
         busy = owner >= 0
         return policy.choose(float(kv[busy].mean()) if busy.any() else 0.0)
 
-    def dispatch_rounds(gamma: int):
+    def dispatch_rounds(call):
         nonlocal state
-        state, packed = ops.rounds(state, gamma)
-        queue.append(("rounds", packed, gamma, (owner.copy(), np.arange(pool))))
+        state, packed = ops.rounds(state, call.gamma, call.flush)
+        policy.dispatched(call)
+        queue.append(("rounds", packed, call.gamma, (owner.copy(), np.arange(pool))))
 
     def rounds_queued() -> bool:
         return any(entry[0] == "rounds" for entry in queue)
@@ -132,7 +137,7 @@ def run(ops: Ops, request: Request, pool: int, *, policy: Policy, prefill_gamma:
         busy = owner >= 0
         if kind == "rounds" and not rounds_queued() and busy.any() and policy.may_choose_ahead():
             ahead = choose()
-            need = left[owner[busy]] > rounds_per_call * (ahead + 1)
+            need = left[owner[busy]] > rounds_per_call * (ahead.gamma + 1)
             if need.all() if next_prompt < P else need.any():
                 dispatch_rounds(ahead)
         outputs = ops.fetch(packed)

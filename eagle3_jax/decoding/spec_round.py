@@ -34,6 +34,16 @@ from eagle3_jax.models.kv_cache import KVCache
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HeldPairs:
+    """The pairs (g_t, x_{t+1}) committed by gamma-0 calls that did not bring the drafter up to date: row b
+    holds target_cache.lengths - draft_cache.lengths of them, from position draft_cache.lengths on."""
+
+    features: jax.Array  # [B, H, C] the target's features g_t
+    tokens: jax.Array  # [B, H] int32 x_{t+1}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     target_cache: KVCache
     draft_cache: KVCache | None
@@ -44,6 +54,7 @@ class DecodeState:
     stop_ids: jax.Array  # [B, P] int32 padded with -1
     done: jax.Array  # [B] bool
     sampling: sampling_lib.SamplingParams | None = None  # per-row settings; None in a greedy build
+    held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,11 @@ class StepSpec:
     # The target's decode and verify steps on the EXACT kernels: a token's logits are bit-identical
     # whether it is verified among gamma + 1 or decoded alone (eagle3_jax/models/kernels.py).
     exact: bool = False
+    # The pairs gamma-0 calls may hold back from the drafter (DecodeState.held): 0, or at least a call's rounds.
+    held: int = 0
+    # Whether a gamma-0 call with a drafter brings it up to date at its end (else it holds the call's pairs;
+    # the host flushes before the held pairs would overflow and before any call that drafts).
+    flush: bool = True
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -116,6 +132,10 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels)
         draft_hidden = out[rows, prompt_lengths - 1]
         draft_cache = draft_cache.with_lengths(prompt_lengths)
+    held = None
+    if spec.held:
+        held = HeldPairs(jnp.zeros((B, spec.held, spec.drafter.feature_width), dtype),
+                         jnp.zeros((B, spec.held), jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = DecodeState(
         target_cache=cache.with_lengths(prompt_lengths),
@@ -127,6 +147,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         stop_ids=request.stop_ids,
         done=prompt_lengths >= spec.max_len,  # no room for even one token
         sampling=sampling,
+        held=held,
     )
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
@@ -238,43 +259,53 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 5]
+    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 6]
     (round_output.py)).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does.
-    With gamma 0 and a drafter the rounds are plain steps and the drafter catches up at the call's end
-    (`_catch_up`), so every call leaves the drafter consistent and the next may draft again."""
+    With gamma 0 and a drafter the rounds are plain steps: their pairs join the held ones, and a flushing
+    call (`StepSpec.flush`) then brings the drafter up to date over all of them (`_catch_up`)."""
     if spec.gamma > 0 or spec.drafter is None:
         return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
+    if spec.held < num_rounds:
+        raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
+                         f"must be at least that, got {spec.held}")
 
     def plain(s, _):
         new, packed, features = _round(tparams, dparams, s, spec)
         return new, (packed, features[:, 0], new.last_token)
 
     end, (packed, features, tokens) = jax.lax.scan(plain, state, None, length=num_rounds)
-    return _catch_up(tparams, dparams, state, end, packed, features, tokens, spec)
+    behind = state.target_cache.lengths - state.draft_cache.lengths  # [B] pairs held before this call
+    rows = jnp.arange(behind.shape[0])[:, None]
+    at = behind[:, None] + jnp.arange(num_rounds)[None, :]  # a frozen row's extra pairs land past its count
+    held = HeldPairs(state.held.features.at[rows, at].set(jnp.swapaxes(features, 0, 1), mode="drop"),
+                     state.held.tokens.at[rows, at].set(tokens.T, mode="drop"))
+    end = dataclasses.replace(end, held=held)
+    return _catch_up(tparams, dparams, end, packed, spec) if spec.flush else (end, packed)
 
 
-def _catch_up(tparams, dparams, start: DecodeState, end: DecodeState, packed, features, tokens, spec: StepSpec):
-    """The drafter's rebuild for a call of plain rounds, in one pass over all of them: round r committed the
-    pair (g_{n+r}, x_{n+r+1}) (features [R, B, C], tokens [R, B]) for the rows live in it, so the drafter
-    reads its weights once per call instead of once per round. The same pass gives each round's would-be
-    first draft d_1 for free but its lm_head, and the shadow column reports whether it equals the emitted
-    token (a sampled row's token equals an argmax draft d with probability p(d), the chance the round would
-    have accepted it). Rows of other lengths or done: only their committed pairs count (`with_lengths`)."""
+def _catch_up(tparams, dparams, state: DecodeState, packed, spec: StepSpec):
+    """The drafter's rebuild over every held pair, in one pass: it reads its weights once per flush instead of
+    once per round. The same pass gives each held round's would-be first draft d_1 for the price of its
+    lm_head; the last round's shadow columns count, per row, the held pairs whose token equals it (a sampled
+    row's token equals an argmax draft d with probability p(d), the chance the round would have accepted it)
+    and the held pairs. Entries past a row's count are stale and ignored (`with_lengths`)."""
     embed = dparams.get("embed", tparams["embed"])
-    h = drafter_lib.project_features(dparams, spec.drafter, jnp.swapaxes(features, 0, 1))
-    out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, tokens.T, start.draft_cache, spec.kernels)
-    committed = end.target_cache.lengths - start.target_cache.lengths  # [B] rounds each row was live in
-    rows = jnp.arange(committed.shape[0])
-    newest = out[rows, jnp.maximum(committed - 1, 0)]
-    state = dataclasses.replace(
-        end,
-        draft_cache=draft_cache.with_lengths(end.target_cache.lengths),
-        draft_hidden=jnp.where((committed > 0)[:, None], newest, start.draft_hidden),
+    start = state.draft_cache.lengths
+    count = state.target_cache.lengths - start  # [B] held pairs
+    h = drafter_lib.project_features(dparams, spec.drafter, state.held.features)
+    out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, state.held.tokens, state.draft_cache,
+                                           spec.kernels)
+    rows = jnp.arange(count.shape[0])
+    before = jnp.concatenate([state.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each pair's d_1 is from
+    matched = drafter_lib.draft_token(dparams, spec.drafter, before) == state.held.tokens
+    valid = jnp.arange(spec.held)[None, :] < count[:, None]
+    caught_up = dataclasses.replace(
+        state,
+        draft_cache=draft_cache.with_lengths(state.target_cache.lengths),
+        draft_hidden=jnp.where((count > 0)[:, None], out[rows, jnp.maximum(count - 1, 0)], state.draft_hidden),
     )
-    before = jnp.concatenate([start.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each round's d_1 is from
-    matched = (drafter_lib.draft_token(dparams, spec.drafter, before) == tokens.T).astype(jnp.int32)
-    live = jnp.arange(tokens.shape[0])[None, :] < committed[:, None]  # [B, R]
-    return state, packed.at[:, :, -1].set(jnp.where(live, matched, -1).T)
+    shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)
+    return caught_up, packed.at[-1, :, -2:].set(shadow)
