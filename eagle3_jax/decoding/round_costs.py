@@ -3,7 +3,8 @@ and cached on disk: the cost side of the gamma policy (gamma_policy.py).
 
 A table holds, per batch size, the seconds of one call at a few KV lengths (`grid_lengths`), for every
 gamma; between lengths it is interpolated linearly (attention's cost grows about linearly in the length;
-the weights' cost does not move). A batch size is measured the first time a request runs at it (the
+the weights' cost does not move). Gamma 0's entry is the mean over a cycle of gamma_policy.FLUSH_CALLS calls,
+one of which brings the drafter up to date (Engine.time_call). A batch size is measured the first time a request runs at it (the
 engine compiles every gamma of that batch size then anyway), or ahead by `eagle3-jax bench --calibrate`.
 
 Where it lives: round_costs/<key>.json beside jax's compilation cache folder (its parent, so
