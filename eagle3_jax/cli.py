@@ -90,6 +90,10 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _generate(args) -> int:
+    if args.num_draft_tokens == "auto" and not args.drafter:
+        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
+    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
+        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
     import jax
 
     import eagle3_jax

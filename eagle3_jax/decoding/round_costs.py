@@ -3,17 +3,18 @@ and cached on disk: the cost side of the gamma policy (gamma_policy.py).
 
 A table holds, per batch size, the seconds of one call at a few KV lengths (`grid_lengths`), for every
 gamma; between lengths it is interpolated linearly (attention's cost grows about linearly in the length;
-the weights' cost does not move). Gamma 0's entry is the mean over a cycle of gamma_policy.FLUSH_CALLS calls,
-one of which brings the drafter up to date (Engine.time_call). A batch size is measured the first time a request runs at it (the
-engine compiles every gamma of that batch size then anyway), or ahead by `eagle3-jax bench --calibrate`.
+the weights' cost does not move). Gamma 0's entry is the mean over a cycle of gamma_policy.FLUSH_CALLS
+calls, one of which brings the drafter up to date (Engine.time_call). A batch size is measured the first time
+a request runs at it (the engine compiles every gamma of that batch size then anyway), or ahead by
+`eagle3-jax bench --calibrate` or Engine.compile.
 
 Where it lives: round_costs/<key>.json beside jax's compilation cache folder (its parent, so
 ~/.cache/eagle3_jax/round_costs for the CLI's default cache), or in ~/.cache/eagle3_jax/round_costs when no
 compilation cache is set. The key hashes everything a call's cost depends on: the step configuration (target
-and drafter configs, dtype, kernels, exact, max_len, sampling build, proposal), rounds per call, the largest
-gamma, the device kind and the jax, jaxlib and eagle3_jax versions. What the key cannot see (another
-process on the GPU, a changed clock or driver) is caught by a spot check: the first use of a stored batch
-size in a process times its costliest entry again, and a result off by more than STALE_RATIO from the
+and drafter configs, dtype, kernels, exact, max_len, sampling build, proposal, the held pairs' room), rounds
+per call, the gammas, the device kind and the jax, jaxlib and eagle3_jax versions. What the key cannot see
+(another process on the GPU, a changed clock or driver) is caught by a spot check: the first use of a stored
+batch size in a process times its costliest entry again, and a result off by more than STALE_RATIO from the
 stored one re-measures that batch size.
 """
 
