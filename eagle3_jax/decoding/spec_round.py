@@ -4,10 +4,11 @@ scan of rounds.
 Invariants, per row b:
   * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
     is `last_token` and is not in any cache yet;
-  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < n, at positions t, so its length is n
-    too; `draft_hidden` is the drafter's pre-norm output at position n - 1, from which d_1 comes;
+  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
+    drafter's pre-norm output at position m - 1, from which d_1 comes. m = n, except after gamma-0 calls that
+    held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that drafts starts at m = n;
   * a row that is done is frozen: nothing it owns changes any more.
-A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` rebuilds it once per call).
+A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` keeps the drafter's pairs).
 
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
 settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
