@@ -122,6 +122,9 @@ def test_costs_are_measured_once_cached_reloaded_and_remeasured_when_stale(tmp_p
     broken = round_costs.RoundCosts("k", tmp_path, lengths, 3)
     broken.seconds(1, 8.0, device)
     assert broken.measured == [1] and list(json.loads((tmp_path / "k.json").read_text())["seconds"]) == ["1"]
+    (tmp_path / "file").write_text("")
+    unwritable = round_costs.RoundCosts("k", tmp_path / "file", lengths, 3)  # its folder is a file
+    assert unwritable.seconds(1, 8.0, device)[0] == pytest.approx(1.08) and unwritable.measured == [1]
 
 
 def test_the_cache_lives_beside_the_compilation_cache_and_its_key_sees_the_configuration(tmp_path):

@@ -110,14 +110,21 @@ class RoundCosts:
         table = np.array([[time_call(batch, length, g) for g in range(self.num_gammas)] for length in self.lengths])
         self.measured.append(batch)
         if self.path is not None:
-            stored = self._load()
-            stored[str(batch)] = table
+            self._store(batch, table)
+        return table
+
+    def _store(self, batch: int, table: np.ndarray) -> None:
+        """Adds a batch size's table to the file; a folder that cannot be written leaves it in memory only."""
+        stored = self._load()
+        stored[str(batch)] = table
+        document = {"lengths": self.lengths, "seconds": {b: t.tolist() for b, t in stored.items()}}
+        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            document = {"lengths": self.lengths, "seconds": {b: t.tolist() for b, t in stored.items()}}
-            temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
             temporary.write_text(json.dumps(document, indent=1))
             temporary.replace(self.path)  # atomic: a concurrent reader sees the old file or the new one
-        return table
+        except OSError:
+            return
 
     def _load(self) -> dict[str, np.ndarray]:
         """The stored tables by batch size; a missing, unreadable or differently shaped file holds none."""
