@@ -62,6 +62,15 @@ def test_a_cheap_gamma_wins_and_unseen_positions_take_the_last_seen_rate():
         policy.choose(np.full(3, 0.5), [1.0, 0.0, 1.0, 1.0])
 
 
+def test_rounds_that_hold_their_pairs_fade_nothing_and_a_flush_fades_what_it_covers():
+    stats = observed(1, [rounds_of(1, [0], [1])] * 4)
+    held = observed(1, [rounds_of(1, [0], [1])] * 4 + [rounds_of(0, [0], [1])] * 12)
+    assert held.reached.tolist() == stats.reached.tolist() and held.accepted.tolist() == stats.accepted.tolist()
+    flushed = policy.observe(stats, *rounds_of(0, [0], [1], shadow=[[16, 16]]))
+    assert flushed.reached[0] == pytest.approx(policy.DECAY**16 * stats.reached[0] + 16)
+    assert policy.rates(flushed)[0] > 0.8  # one flush shows a drafter turned good
+
+
 def test_the_shadow_leaves_gamma_0_when_the_drafter_turns_good():
     costs = [1.0, 1.3, 1.6]
     stats = observed(2, [rounds_of(0, [0], [1], shadow=[[0, 1]])] * 30)

@@ -8,8 +8,9 @@ E(g) = 1 + sum_{i <= g} prod_{j <= i} alpha_j tokens per live row on average, an
 of the most expected tokens per second, E(g) / cost(g), at the pool's batch size and KV length.
 
 Estimates are decayed counts, so that they follow a drafter that is good on part of the text and poor on
-the rest: every round multiplies the counts by DECAY before adding its own (a memory of about
-1 / (1 - DECAY) rounds of every row). Position 1's estimate starts from PRIOR_MEAN; position i > 1's
+the rest: every round of evidence multiplies the counts by DECAY before adding its own (a memory of about
+1 / (1 - DECAY) rounds of every row; a flush's evidence counts as the rounds it covers, and rounds that hold
+their pairs back show nothing and fade nothing). Position 1's estimate starts from PRIOR_MEAN; position i > 1's
 starts from position i - 1's estimate, so a position no round has reached yet is taken to accept as the
 one before it does: the policy tries one more draft where the last one it ran is accepted often enough
 to pay for it, and no position needs a round of its own to be explored. The prior weighs PRIOR_WEIGHT
@@ -83,9 +84,12 @@ def round_counts(gamma: int, max_gamma: int, accepted, emitted, done, shadow) ->
 
 
 def observe(stats: Acceptance, gamma: int, accepted, emitted, done, shadow) -> Acceptance:
-    """`stats` after one more round (`round_counts`'s arguments), the older evidence decayed."""
+    """`stats` after one more round (`round_counts`'s arguments), the older evidence decayed once per round the
+    new evidence spans: a round that drafted, 1; a gamma-0 round, the most held rounds a row caught up on
+    (0 for a round that holds its pair: no evidence, so nothing older fades)."""
     hits, tries = round_counts(gamma, len(stats.accepted), accepted, emitted, done, shadow)
-    return Acceptance(DECAY * stats.accepted + hits, DECAY * stats.reached + tries)
+    decay = DECAY ** (1 if gamma else int(np.max(np.asarray(shadow)[:, 1], initial=0)))
+    return Acceptance(decay * stats.accepted + hits, decay * stats.reached + tries)
 
 
 def rates(stats: Acceptance) -> np.ndarray:
