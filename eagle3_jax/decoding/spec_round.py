@@ -204,7 +204,7 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     """Draft gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
     for sampled rows), commit by index, rebuild. With gamma 0 and a drafter, the drafter is left as it was:
-    `spec_rounds` brings it up to date once per call."""
+    `spec_rounds` holds the round's pair for it and a flushing call brings it up to date."""
     new_state, packed, _ = _round(tparams, dparams, state, spec)
     return new_state, packed
 
