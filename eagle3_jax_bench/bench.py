@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import checks, dense, moe, sampling
+from . import auto_gamma, checks, dense, moe, sampling
 from .core import Run, versions
 
 
@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--experts-only", action="store_true",
                         help="MoE: only the ceilings, one decoder layer's ops and the expert paths, on the "
                              "experts section's layers alone")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="only the round costs num_draft_tokens='auto' chooses from, at the model's shapes: "
+                             "measured (or loaded, if fresh) and printed (eagle3_jax_bench/auto_gamma.py)")
     return parser
 
 
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
+    if args.calibrate:
+        auto_gamma.calibrate_preset(("tiny-moe" if is_moe else "tiny") if tiny else args.model)
+        return 0
     on_gpu = jax.default_backend() == "gpu"
     kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if on_gpu else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
