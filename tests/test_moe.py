@@ -245,17 +245,20 @@ def kernel_case(M, E, D, Ie, top_k, dtype, seed=0):
 def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
     """pallas_kernels.moe_experts (interpreted) in float32 against the dense reference: one token (no padded
     slot), 3 tokens over 6 experts (slots padded: 9 > 6) with D and I not multiples of the blocks, also with
-    16-wide blocks (several programs per expert, several K steps, the last one partial), 17 rows (padded to
-    32); in bfloat16 against the gathered path."""
+    16-wide blocks (several programs per expert, several K steps, the last one partial) and the down stage's
+    slots in groups of 2 (the last group padded where fewer than 6 experts are routed), 17 rows (padded to
+    32); in bfloat16 against the gathered path, the down stage in one group (no partial sums)."""
     x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
     got = moe.experts_kernel(x, weights, ids, w_gate_up, w_down)
     assert np.isfinite(np.asarray(got)).all() and rel_err(got, ref) < 1e-5
     if M == 3:
-        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16)
+        assert len(np.unique(np.asarray(ids))) == 5  # one padded slot: the last group of 2 holds one expert
+        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16,
+                                   down_groups=3)
         assert rel_err(small, ref) < 1e-5
     low = [a.astype(jnp.bfloat16) for a in (x, weights, w_gate_up, w_down)]
-    got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3])
+    got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3], down_groups=1)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, moe.experts_gathered(low[0], low[1], ids, low[2], low[3])) < 2e-2
 
@@ -273,6 +276,8 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
     with pytest.raises(ValueError, match="dtype int32"):
         pallas_kernels.moe_experts(x[:4].astype(jnp.int32), combine.T[:, :4], slots, count,
                                    w_gate_up.astype(jnp.int32), w_down.astype(jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="down_groups=0 must be >= 1"):
+        pallas_kernels.ExpertsConfig(down_groups=0)
     with pytest.raises(ValueError, match="x is float32 but the weights are bfloat16"):
         pallas_kernels.moe_experts(x[:4], combine.T[:, :4], slots, count, w_gate_up.astype(jnp.bfloat16),
                                    w_down.astype(jnp.bfloat16), interpret=True)
