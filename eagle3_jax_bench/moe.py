@@ -19,7 +19,6 @@ On the CPU it runs the same code at tiny shapes (a smoke test).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -123,37 +122,18 @@ def _import_tokamax() -> tuple[object | None, str]:
 
 
 def tokamax_paths() -> dict:
-    """tokamax's grouped GEMMs as expert paths, on [E, in, out] weights (the only layout its Triton and
-    Mosaic GPU kernels take); {} when tokamax cannot be imported."""
+    """tokamax's Mosaic GPU grouped GEMM as an expert path, on [E, in, out] weights (the only layout it takes);
+    {} when tokamax cannot be imported. (Its Triton implementation needs the triton package, which jax's
+    GPU wheels do not bring: tokamax 0.0.17 reports it as an unknown implementation.)"""
     tokamax, _ = _import_tokamax()
     if tokamax is None:
         return {}
-
-    def run(impl):
-        dot = functools.partial(tokamax.ragged_dot, implementation=impl)
-        return functools.partial(moe.experts_grouped, ragged_dot=lambda lhs, w, sizes: dot(lhs, w, sizes))
-
-    return {f"tokamax_{impl}": run(impl) for impl in ("mosaic", "triton")}
+    dot = functools.partial(tokamax.ragged_dot, implementation="mosaic")
+    return {"tokamax_mosaic": functools.partial(moe.experts_grouped, ragged_dot=dot)}
 
 
 def _lax_in_out(lhs, w, sizes):
     return jax.lax.ragged_dot(lhs, w, sizes)
-
-
-# lax.ragged_dot's own Pallas (Triton) lowering on the GPU, off by default in JAX: XLA's ragged dot measured
-# near the cost of reading every expert at one token (a probe of 8 layers: 15.9 ms against a 13.8 ms
-# all-experts floor), so this is timed as the alternative.
-PALLAS_LOWERING_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
-
-
-@contextlib.contextmanager
-def jax_config(name: str, value):
-    previous = getattr(jax.config, name)
-    jax.config.update(name, value)
-    try:
-        yield
-    finally:
-        jax.config.update(name, previous)
 
 
 def routing(run: Run, s: dense.Setup) -> np.ndarray:
@@ -191,49 +171,58 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
     return dataclasses.replace(s, target_read=target_read)
 
 
-# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults.
-KERNEL_TUNINGS = {"kernel_i64_d32": {"block_i": 64, "block_d": 32}, "kernel_k128_s4": {"block_k": 128, "num_stages": 4}}
+# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults ("kernel").
+KERNEL_TUNINGS = {
+    "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)
+    "kernel_g4": {"down_groups": 4},
+    "kernel_g16": {"down_groups": 16},
+    "kernel_i16": {"block_i": 16},  # twice the gate/up programs
+    "kernel_d32_g16": {"block_d": 32, "down_groups": 16},  # wider down blocks, as many programs as the default
+}
 
 
-def _expert_paths() -> tuple[dict, dict]:
-    """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
-    paths = dict(moe.PATHS)  # gathered, grouped, and the expert kernel (interpreted off the GPU)
+def _expert_paths() -> tuple[dict, set]:
+    """({name: path} in the order they are timed, so a short budget keeps the first: the kernel's tunings,
+    then the fallback past the kernel (grouped), the library's and the [E, in, out] grouped GEMMs, gathered
+    last; the names that take [E, in, out] copies of the weights)."""
+    paths = {"kernel": moe.experts_kernel}  # interpreted off the GPU
     if jax.default_backend() == "gpu":
         paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
-    extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
-    if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
-        extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
-    return paths, extra
+    swapped = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
+    tokamax = {name: path for name, path in swapped.items() if name.startswith("tokamax")}
+    paths.update(grouped=moe.experts_grouped, **tokamax, grouped_in_out=swapped["grouped_in_out"],
+                 gathered=moe.experts_gathered)
+    return paths, set(swapped)
 
 
 def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) -> None:
-    """The MoE layers alone: every path at every token count of the plan, compiled once and timed on each
-    routing, against the distinct experts' bytes and the routers' over the copy rate."""
+    """The MoE layers alone: every path at every token count of the plan (path by path, in _expert_paths'
+    order), compiled once and timed on each routing, against the distinct experts' bytes and the routers'
+    over the copy rate."""
     cfg = s.plan.target
     sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)][: plan.ffn_layers]
     layers = [s.tparams["layers"][i] for i in sparse]
-    paths, extra = _expert_paths()
-    # [E, in, out] copies for the paths that need that layout (tokamax's kernels, lax.ragged_dot's default)
+    paths, in_out = _expert_paths()
+    # [E, in, out] copies for the paths that need that layout (tokamax's kernel, lax.ragged_dot's default)
     swapped = [{k: jnp.swapaxes(layer[k], 1, 2) for k in ("w_gate_up", "w_down")} for layer in layers]
     itemsize, E, k = jnp.dtype(s.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
     routers = steps.nbytes([w["router"] for w in layers])
-    for tokens in plan.ffn_tokens:
-        ids = {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
-        weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
-        x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
-        for name, path in {**paths, **extra}.items():
+    ids = {tokens: {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
+           for tokens in plan.ffn_tokens}
+    for name, path in paths.items():
+        stack = swapped if name in in_out else layers
+        for tokens in plan.ffn_tokens:
             if not run.time_left(f"experts t{tokens} {name}"):
                 return
-            stack = swapped if name in extra else layers
-            flag = name.endswith("_pallas_lowering")
+            weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
+            x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
             try:
                 step = steps.jit_step(_ffn_stack, 4, path=path)
-                with jax_config(PALLAS_LOWERING_FLAG, True) if flag else contextlib.nullcontext():
-                    compiled, compile_s = compile_timed(step, stack, jnp.asarray(ids[routings[0]]), weights, x)
+                compiled, compile_s = compile_timed(step, stack, jnp.asarray(ids[tokens][routings[0]]), weights, x)
             except Exception as e:  # a library kernel refusing a shape or a layout: recorded, not fatal
                 run.add("experts", {"tokens": tokens, "path": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
-            for routing_name, routed in ids.items():
+            for routing_name, routed in ids[tokens].items():
                 distinct = distinct_per_layer(routed)
                 read = int(distinct.sum()) * expert_bytes(cfg, itemsize) + routers
                 seconds, x = time_chain(compiled, x, (stack, jnp.asarray(routed), weights), s.plan.reps,

@@ -58,6 +58,21 @@ def test_expert_paths_match_the_dense_reference():
         assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
 
 
+def test_ranked_top_k_is_lax_top_k_ties_included():
+    """top_k_ranked against lax.top_k on rows with many ties (values from 4 levels: ties go to the lower
+    index) and on a router's float32 probabilities; route's two selections give the same weights and ids."""
+    ties = jax.random.randint(jax.random.key(1), (6, 128), 0, 4).astype(jnp.float32)
+    for values in (ties, jax.nn.softmax(jax.random.normal(jax.random.key(2), (5, 16)), axis=-1)):
+        for k in (1, 8):
+            got, want = moe.top_k_ranked(values, k), jax.lax.top_k(values, k)
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    x, router = jax.random.normal(jax.random.key(3), (4, 8)), jax.random.normal(jax.random.key(4), (16, 8))
+    ranked, sorted_ = moe.route(x, router, 4, True), moe.route(x, router, 4, True, select="sort")
+    np.testing.assert_array_equal(np.asarray(ranked[1]), np.asarray(sorted_[1]))
+    np.testing.assert_allclose(np.asarray(ranked[0]), np.asarray(sorted_[0]), rtol=1e-6)
+
+
 @pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
 def case(request, tmp_path_factory):
     model = build_moe_model(request.param)
