@@ -268,6 +268,27 @@ def projection(run: Run, s: dense.Setup) -> None:
                               f"{PUBLISHED_TAU[0]}", **out})
 
 
+def steps_only(run: Run, s: dense.Setup) -> dict:
+    """`--steps-only`: the ceilings, the routing, then the whole target's decode steps (the plan's batches)
+    and verify steps of gamma + 1 tokens (largest gamma first, the plan's spec batches) on the routed
+    floors, with the expert path each step's token count takes: the path choice timed in the steps it
+    serves, without the drafter's rows or the experts section."""
+    kernels = s.kernels[0]
+    run.results["routing_used"] = {"steps": "random routers"}
+    run.ceilings(s.plan.copy_bytes, s.plan.matmul_n)
+    s = routed_setup(s, routing(run, s))
+    counts = sorted({b for b in s.plan.batches} | {b * (g + 1) for b in s.plan.spec_batches for g in s.plan.gammas})
+    run.results["expert_path_by_tokens"] = {t: moe.choose_path(t, s.dtype, kernels) for t in counts}
+    for batch in s.plan.batches:
+        if run.time_left(f"decode b{batch}"):
+            dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels)
+    for gamma in sorted(s.plan.gammas, reverse=True):
+        for batch in s.plan.spec_batches:
+            if run.time_left(f"verify b{batch} t{gamma + 1}"):
+                dense.verify(run, s, batch, gamma + 1, kernels)
+    return run.results
+
+
 def run_all(run: Run, s: dense.Setup, plan: MoePlan, routing_first: str) -> dict:
     """Ceilings, routing, decode, every (batch, gamma) set on the routed floors, the projection, then the
     experts section on both routings, `routing_first` first."""
@@ -294,6 +315,8 @@ def summary(results: dict) -> str:
                      + json.dumps(results["routing"]["mean_distinct_experts_per_layer"]))
     lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
+    if "expert_path_by_tokens" in results:
+        lines.append(f"expert path by tokens per step: {json.dumps(results['expert_path_by_tokens'])}")
     for r in results.get("layer_ops", []):
         if "error" in r:
             lines.append(f"layer op {r['op']:18s} not run: {r['error'][:100]}")

@@ -37,6 +37,8 @@ def test_bench_smoke(tmp_path):
     (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
     (["--routing", "local"], "--routing is for --model qwen3-30b-a3b"),
     (["--experts-only"], "--experts-only is for --model qwen3-30b-a3b"),
+    (["--steps-only"], "--steps-only is for --model qwen3-30b-a3b"),
+    (["--model", "qwen3-30b-a3b", "--experts-only", "--steps-only"], "two runs: give one"),
     (["--model", "qwen3-30b-a3b", "--kernels", "xla", "pallas"], "measures one --kernels choice"),
 ])
 def test_bench_refuses_bad_flags(capsys, argv, message):
@@ -139,6 +141,26 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
 
 
+def test_moe_bench_steps_only(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b --steps-only` at tiny shapes: the decode and verify rows on the routed
+    floors, the expert path of each step's token count, no drafter rows and no experts section."""
+    import dataclasses
+
+    tiny = moe.tiny_plan()
+    plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)))
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
+    args = ["--tiny", "--model", "qwen3-30b-a3b", "--steps-only", "--out", str(tmp_path), "--kernels", "xla",
+            "--rounds-per-call", "1"]
+    assert bench.main(args) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == [] and not {"round", "chain", "experts", "layer_ops"} & set(results)
+    (decode,), (verify,) = results["decode"], results["verify"]
+    assert decode["batch"] == 1 and verify["tokens"] == 2 and verify["time_ms"] > 0 and verify["floor_ms"] > 0
+    cfg = plan.base.target
+    assert decode["bytes_read"] < cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
+    assert results["expert_path_by_tokens"] == {"1": "gathered", "2": "gathered"}
+
+
 def test_moe_bench_experts_only(tmp_path, monkeypatch):
     """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes, one token: one decoder layer's ops and
     every expert path, each against its floor; the op rows' bytes add up to the layer's."""
@@ -151,7 +173,8 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["skipped"] == [] and "decode" not in results
     ops = {r["op"]: r for r in results["layer_ops"]}
-    assert set(ops) == {"norm", "attention", "router_topk", "experts", "moe_mlp", "layer", "final_norm_lm_head"}
+    assert set(ops) == {"norm", "attention", "router_topk", "router_topk_sort", "experts", "moe_mlp", "layer",
+                        "final_norm_lm_head"}
     assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
     parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
     assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"
