@@ -43,9 +43,9 @@ def rel_err(ours, ref):
 def test_expert_paths_match_the_dense_reference():
     """Every path on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
     chosen by none (the padded slots of the gathered path and the kernel). Through the target, the golden
-    tests below run the gathered path at decode and the grouped one at prefill (and the kernel at decode in
-    test_kernel_path_decode_matches_transformers). D 16 and I 12 are below the kernel's 16-wide blocks:
-    its masked loads cover them."""
+    tests below run the gathered path (at most GATHER_MAX_TOKENS a step: decode and their short prefills),
+    test_kernel_path_decode_matches_transformers the kernel at decode and the grouped path at prefill. D 16
+    and I 12 are below the kernel's 16-wide blocks: its masked loads cover them."""
     E, D, Ie, tokens, top_k = 8, 16, 12, 5, 3
     keys = jax.random.split(jax.random.key(0), 4)
     w_gate_up, w_down = jax.random.normal(keys[0], (E, 2 * Ie, D)), jax.random.normal(keys[1], (E, D, Ie))
@@ -296,7 +296,8 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
     with pytest.raises(ValueError, match="x is float32 but the weights are bfloat16"):
         pallas_kernels.moe_experts(x[:4], combine.T[:, :4], slots, count, w_gate_up.astype(jnp.bfloat16),
                                    w_down.astype(jnp.bfloat16), interpret=True)
-    assert [moe.choose_path(t, jnp.float32, "xla") for t in (1, 4, 5, 16)] == ["gathered"] * 2 + ["grouped"] * 2
+    xla = [moe.choose_path(t, jnp.float32, "xla") for t in (1, moe.GATHER_MAX_TOKENS, moe.GATHER_MAX_TOKENS + 1)]
+    assert xla == ["gathered", "gathered", "grouped"]
     pallas = [moe.choose_path(t, jnp.bfloat16, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)]
     assert pallas == ["kernel", "kernel", "grouped"]
     assert moe.choose_path(2, jnp.float32, "exact") == "gathered"
@@ -329,7 +330,7 @@ def test_kernel_path_decode_matches_transformers(case, monkeypatch):
     run = jax.jit(target_lib.forward, static_argnums=(1, 4))  # traced here, with the patched choice
     tokens, lengths = padded(PROMPTS)
     cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
-    _, cache, _ = forward(tgt.params, cfg, tokens, cache, ())
+    _, cache, _ = run(tgt.params, cfg, tokens, cache, ())  # 24 rows: the grouped path
     cache = cache.with_lengths(lengths)
     step_logits = []
     for s in range(len(STEPS[0])):

@@ -10,13 +10,24 @@ step, and never computing all E experts:
     choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
   * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
     (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
-    weights a grouped GEMM streams is its lowering's business: an H200 probe (BENCHMARKS.md) put XLA's near the
-    cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
-    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times every path, and others.
+    weights a grouped GEMM streams is its lowering's business: on the stored [E, out, in] layout XLA's
+    costs about what reading every expert does, whatever the token count (figures below).
   * `experts_kernel` (few tokens, GPU): the gathered path's arithmetic in pallas_kernels.moe_experts,
     which streams each routed expert's weights once from where they are stored, with no gathered copy.
 `moe_mlp` picks one by the static token count M = B T and the kernels (`choose_path`). `moe_reference`
 (all experts, dense) is the tests' oracle only.
+
+Where the paths cross (H200, jax 0.11.2, 2026-12-02: 8 MoE layers of Qwen3-30B-A3B, bf16, random routing,
+ms; `bench --model qwen3-30b-a3b --experts-only`):
+    tokens      1     2     4     8    16    32
+    kernel    0.46  0.76  1.21  2.07  3.26  4.62   (the down stage in one group of slots)
+    gathered  0.48  2.56  2.01  3.80  7.37  7.46
+    grouped   7.46  7.51  7.58  7.82  8.22  9.04
+The kernel is fastest at every count, and gathered beats grouped at every one (grouped on the stored layout
+pays about 7.5 ms per 8 layers at any count). These counts cover a decode or verify step of up to batch 8 x
+4 tokens and hold no crossover, so both thresholds below are the largest count measured (64 tokens is timed
+by the bench's experts section). At 32 tokens the gathered copy is nearly every expert of a layer (about
+1.2 GB, transient, one layer at a time).
 """
 
 from __future__ import annotations
@@ -31,13 +42,12 @@ import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import MoeConfig
 
-# At most this many tokens per step take the gathered path. An H200 probe at Qwen3-30B-A3B shapes
-# (random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
-# tokens (4.4 / 11.4 ms against 15.9 / 17.3) and slower from 8 (20.7 against 18.2).
-GATHER_MAX_TOKENS = 4
-# With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (it reads each
-# routed expert once, like the gathered path, without the gathered copy); past it the grouped path.
-KERNEL_MAX_TOKENS = 16
+# At most this many tokens per step take the gathered path with XLA's kernels, the grouped one past them
+# (gathered measured faster at 1 to 32 tokens: the table above).
+GATHER_MAX_TOKENS = 32
+# With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (fastest at 1 to
+# 32 tokens: the table above; it takes up to 64 rows); past it the XLA path.
+KERNEL_MAX_TOKENS = 32
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
