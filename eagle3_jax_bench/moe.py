@@ -11,9 +11,12 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   the routing section), KV; over the copy rate measured in the same run.
 * projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
   an i.i.d. acceptance model fitted to it; the best gamma per batch.
-* experts: the MoE layers alone (the plan's first ffn_layers of them), every expert
-  path at 1 to 32 tokens, on random routing and on synthetic local routing (`--routing` says which is
-  timed first; both are measured). Floor: the distinct experts' bytes and the routers' over the copy rate.
+* experts: the MoE layers alone (the plan's first ffn_layers of them): the expert kernel's tunings at 1 to
+  64 tokens first, then the other expert paths at 64 and 8 tokens, on random routing and on synthetic local
+  routing (`--routing` says which is timed first; both are measured). Floor: the distinct experts' bytes
+  and the routers' over the copy rate.
+`--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
+alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only).
 On the CPU it runs the same code at tiny shapes (a smoke test).
 """
 
@@ -45,13 +48,16 @@ LOCAL_ZIPF = 1.0  # ... and the per-layer expert popularity of the other choices
 class MoePlan:
     base: dense.Plan
     ffn_layers: int  # MoE layers in the experts section
-    ffn_tokens: tuple[int, ...]
+    ffn_tokens: tuple[int, ...]  # the kernel's token counts there, in the order they are timed
+    others_tokens: tuple[int, ...] | None = None  # the other paths' (None: ffn_tokens)
 
 
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64))
+    # The other paths at 64 tokens (the crossover past the kernel's threshold) and 8 (batch 8 decode) only: an
+    # H200 timed them at 1 to 32 (moe.py's docstring), and tokamax compiles for 13 to 20 s a count.
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(64, 8))
 
 
 def tiny_plan() -> MoePlan:
@@ -174,7 +180,6 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
 # Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults ("kernel").
 KERNEL_TUNINGS = {
     "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)
-    "kernel_g4": {"down_groups": 4},
     "kernel_g16": {"down_groups": 16},
     "kernel_i16": {"block_i": 16},  # twice the gate/up programs
     "kernel_d32_g16": {"block_d": 32, "down_groups": 16},  # wider down blocks, as many programs as the default
@@ -196,9 +201,9 @@ def _expert_paths() -> tuple[dict, set]:
 
 
 def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) -> None:
-    """The MoE layers alone: every path at every token count of the plan (path by path, in _expert_paths'
-    order), compiled once and timed on each routing, against the distinct experts' bytes and the routers'
-    over the copy rate."""
+    """The MoE layers alone: the kernel's tunings at the plan's ffn_tokens, the other paths at its
+    others_tokens (path by path, in _expert_paths' order), each compiled once and timed on each routing,
+    against the distinct experts' bytes and the routers' over the copy rate."""
     cfg = s.plan.target
     sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)][: plan.ffn_layers]
     layers = [s.tparams["layers"][i] for i in sparse]
@@ -207,11 +212,12 @@ def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) 
     swapped = [{k: jnp.swapaxes(layer[k], 1, 2) for k in ("w_gate_up", "w_down")} for layer in layers]
     itemsize, E, k = jnp.dtype(s.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
     routers = steps.nbytes([w["router"] for w in layers])
+    others = plan.ffn_tokens if plan.others_tokens is None else plan.others_tokens
     ids = {tokens: {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
-           for tokens in plan.ffn_tokens}
+           for tokens in set(plan.ffn_tokens) | set(others)}
     for name, path in paths.items():
         stack = swapped if name in in_out else layers
-        for tokens in plan.ffn_tokens:
+        for tokens in plan.ffn_tokens if name.startswith("kernel") else others:
             if not run.time_left(f"experts t{tokens} {name}"):
                 return
             weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)

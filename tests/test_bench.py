@@ -162,11 +162,12 @@ def test_moe_bench_steps_only(tmp_path, monkeypatch):
 
 
 def test_moe_bench_experts_only(tmp_path, monkeypatch):
-    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes, one token: one decoder layer's ops and
-    every expert path, each against its floor; the op rows' bytes add up to the layer's."""
+    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes: one decoder layer's ops and every expert
+    path (the kernel at one token, the others at two), each against its floor; the op rows' bytes add up to
+    the layer's."""
     import dataclasses
 
-    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,))
+    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,), others_tokens=(2,))
     monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
     args = ["--tiny", "--model", "qwen3-30b-a3b", "--experts-only", "--out", str(tmp_path), "--kernels", "xla"]
     assert bench.main(args) == 0
@@ -181,8 +182,8 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     assert all(ops[name]["kernels_us_per_application"] == {} for name in moe_layer.PROFILED)  # a GPU trace only
     cfg = plan.base.target
     assert ops["experts"]["bytes_read"] == moe.expert_bytes(cfg, 4) * cfg.moe.num_experts_per_tok
-    paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
-    assert paths == {"gathered", "grouped", "kernel", "grouped_in_out"}
+    paths = {(r["path"], r["tokens"]) for r in results["experts"] if r["routing"] == "random"}
+    assert paths == {("kernel", 1), ("gathered", 2), ("grouped", 2), ("grouped_in_out", 2)}
     assert all(r["ratio"] > 0 for r in results["experts"])
     # The kernel's tunings are timed on the GPU only: each lowers to Triton here at the benchmark's shapes
     # (hidden 2048, moe_intermediate 768, 128 experts) for 1 row (8 slots) and 64 rows (128 slots).
