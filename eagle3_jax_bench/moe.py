@@ -11,10 +11,10 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   the routing section), KV; over the copy rate measured in the same run.
 * projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
   an i.i.d. acceptance model fitted to it; the best gamma per batch.
-* experts: the MoE layers alone (the plan's first ffn_layers of them): the expert kernel's tunings at 1 to
-  64 tokens first, then the other expert paths at 64 and 8 tokens, on random routing and on synthetic local
-  routing (`--routing` says which is timed first; both are measured). Floor: the distinct experts' bytes
-  and the routers' over the copy rate.
+* experts: the MoE layers alone (the plan's first ffn_layers of them): the expert kernel at 1 to 64 tokens,
+  the other paths at 8 and 64, then the kernel's other tunings (_expert_paths' order), on random routing
+  and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
+  distinct experts' bytes and the routers' over the copy rate.
 `--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
 alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only).
 On the CPU it runs the same code at tiny shapes (a smoke test).
@@ -55,9 +55,9 @@ class MoePlan:
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    # The other paths at 64 tokens (the crossover past the kernel's threshold) and 8 (batch 8 decode) only: an
-    # H200 timed them at 1 to 32 (moe.py's docstring), and tokamax compiles for 13 to 20 s a count.
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(64, 8))
+    # The other paths at 8 tokens (batch 8 decode) and 64 (past the kernel's threshold) only: an H200 timed
+    # them at 1 to 32 (models/moe.py's docstring), and tokamax compiles for 13 to 20 s a count.
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64))
 
 
 def tiny_plan() -> MoePlan:
@@ -177,26 +177,25 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
     return dataclasses.replace(s, target_read=target_read)
 
 
-# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults ("kernel").
+# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed after its defaults ("kernel").
 KERNEL_TUNINGS = {
-    "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)
     "kernel_g16": {"down_groups": 16},
     "kernel_i16": {"block_i": 16},  # twice the gate/up programs
     "kernel_d32_g16": {"block_d": 32, "down_groups": 16},  # wider down blocks, as many programs as the default
+    "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)
 }
 
 
 def _expert_paths() -> tuple[dict, set]:
-    """({name: path} in the order they are timed, so a short budget keeps the first: the kernel's tunings,
-    then the fallback past the kernel (grouped), the library's and the [E, in, out] grouped GEMMs, gathered
-    last; the names that take [E, in, out] copies of the weights)."""
-    paths = {"kernel": moe.experts_kernel}  # interpreted off the GPU
-    if jax.default_backend() == "gpu":
+    """({name: path} in the order they are timed, so that a short budget keeps the first: the kernel, the
+    XLA paths it is chosen over, tokamax's grouped GEMM, the kernel's other tunings, lax.ragged_dot on an
+    [E, in, out] copy; the names that take [E, in, out] copies of the weights)."""
+    swapped = {**tokamax_paths(), "grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out)}
+    paths = {"kernel": moe.experts_kernel, "grouped": moe.experts_grouped, "gathered": moe.experts_gathered}
+    paths.update({name: path for name, path in swapped.items() if name.startswith("tokamax")})
+    if jax.default_backend() == "gpu":  # the kernel's tunings: interpreted off the GPU, only the defaults
         paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
-    swapped = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
-    tokamax = {name: path for name, path in swapped.items() if name.startswith("tokamax")}
-    paths.update(grouped=moe.experts_grouped, **tokamax, grouped_in_out=swapped["grouped_in_out"],
-                 gathered=moe.experts_gathered)
+    paths["grouped_in_out"] = swapped["grouped_in_out"]
     return paths, set(swapped)
 
 

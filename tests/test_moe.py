@@ -58,15 +58,20 @@ def test_expert_paths_match_the_dense_reference():
         assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
 
 
-def test_ranked_top_k_is_lax_top_k_ties_included():
+def test_ranked_top_k_and_distinct_ids_without_a_sort():
     """top_k_ranked against lax.top_k on rows with many ties (values from 4 levels: ties go to the lower
-    index) and on a router's float32 probabilities; route's two selections give the same weights and ids."""
+    index) and on a router's float32 probabilities; distinct_ids against jnp.unique; route's two selections
+    give the same weights and ids."""
     ties = jax.random.randint(jax.random.key(1), (6, 128), 0, 4).astype(jnp.float32)
     for values in (ties, jax.nn.softmax(jax.random.normal(jax.random.key(2), (5, 16)), axis=-1)):
         for k in (1, 8):
             got, want = moe.top_k_ranked(values, k), jax.lax.top_k(values, k)
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for M, k, E in ((5, 3, 8), (4, 8, 128), (2, 2, 16)):  # experts shared, all routed to, few routed to
+        ids = jax.random.randint(jax.random.key(M), (M, k), 0, E)
+        want = jnp.unique(ids.reshape(-1), size=min(M * k, E), fill_value=E)
+        np.testing.assert_array_equal(np.asarray(moe.distinct_ids(ids, E, min(M * k, E))), np.asarray(want))
     x, router = jax.random.normal(jax.random.key(3), (4, 8)), jax.random.normal(jax.random.key(4), (16, 8))
     ranked, sorted_ = moe.route(x, router, 4, True), moe.route(x, router, 4, True, select="sort")
     np.testing.assert_array_equal(np.asarray(ranked[1]), np.asarray(sorted_[1]))

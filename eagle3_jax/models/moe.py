@@ -90,12 +90,23 @@ def _swiglu(h: jax.Array) -> jax.Array:
 def routed_slots(weights: jax.Array, ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """Routing [M, k] -> (slots [S], combine [M, S]): the S = min(M k, E) distinct ids, padded with E (no
     expert), and each token's weight on each slot (zero where it did not choose it). One token's k choices
-    are distinct already: its slots are its ids as routed (no sort); more tokens' are sorted (jnp.unique)."""
+    are distinct already: its slots are its ids as routed; more tokens' are in ascending order (distinct_ids)."""
     M, k = ids.shape
     if M == 1:
         return ids[0], weights
-    slots = jnp.unique(ids.reshape(-1), size=min(M * k, num_experts), fill_value=num_experts)
+    slots = distinct_ids(ids, num_experts, min(M * k, num_experts))
     return slots, jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))
+
+
+def distinct_ids(ids: jax.Array, num_experts: int, size: int) -> jax.Array:
+    """jnp.unique(ids, size=size, fill_value=num_experts) without a sort: the experts routed to in ascending
+    order, then num_experts; an expert's place is how many routed experts have a lower id (comparisons over
+    E x E, fused elementwise-and-reduce kernels where a GPU sort is a launch of its own)."""
+    experts = jnp.arange(num_experts, dtype=ids.dtype)
+    present = jnp.any(ids.reshape(-1, 1) == experts, axis=0)  # [E]
+    place = jnp.sum(present[None, :] & (experts[None, :] < experts[:, None]), axis=1)  # [E]
+    hit = present[None, :] & (place[None, :] == jnp.arange(size)[:, None])  # [size, E]: one expert or none
+    return jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, experts, 0), axis=1), num_experts)
 
 
 def experts_gathered(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
