@@ -12,8 +12,8 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
 * projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
   an i.i.d. acceptance model fitted to it; the best gamma per batch.
 * experts: the MoE layers alone (the plan's first ffn_layers of them): the expert kernel at 1 to 64 tokens,
-  the other paths at 8 and 64, then the kernel's other tunings (_expert_paths' order), on random routing
-  and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
+  then the other paths and the kernel's other tunings at 8, 64 and 1 (_expert_paths' order), on random
+  routing and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
   distinct experts' bytes and the routers' over the copy rate.
 `--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
 alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only).
@@ -48,16 +48,17 @@ LOCAL_ZIPF = 1.0  # ... and the per-layer expert popularity of the other choices
 class MoePlan:
     base: dense.Plan
     ffn_layers: int  # MoE layers in the experts section
-    ffn_tokens: tuple[int, ...]  # the kernel's token counts there, in the order they are timed
-    others_tokens: tuple[int, ...] | None = None  # the other paths' (None: ffn_tokens)
+    ffn_tokens: tuple[int, ...]  # the kernel's token counts there (its defaults), in the order they are timed
+    others_tokens: tuple[int, ...] | None = None  # the other paths' and tunings' (None: ffn_tokens)
 
 
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    # The other paths at 8 tokens (batch 8 decode) and 64 (past the kernel's threshold) only: an H200 timed
-    # them at 1 to 32 (models/moe.py's docstring), and tokamax compiles for 13 to 20 s a count.
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64))
+    # The other paths and tunings at 8 tokens (batch 8 decode), 64 (past the kernel's threshold) and 1 (batch 1
+    # decode) only: an H200 timed the paths at 1 to 32 (models/moe.py's docstring), tokamax compiles for 13 to
+    # 20 s a count, and the budget is one call's.
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64, 1))
 
 
 def tiny_plan() -> MoePlan:
@@ -188,19 +189,17 @@ KERNEL_TUNINGS = {
 
 def _expert_paths() -> tuple[dict, set]:
     """({name: path} in the order they are timed, so that a short budget keeps the first: the kernel, the
-    XLA paths it is chosen over, tokamax's grouped GEMM, the kernel's other tunings, lax.ragged_dot on an
+    XLA paths it is chosen over, the kernel's other tunings, tokamax's grouped GEMM, lax.ragged_dot on an
     [E, in, out] copy; the names that take [E, in, out] copies of the weights)."""
     swapped = {**tokamax_paths(), "grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out)}
     paths = {"kernel": moe.experts_kernel, "grouped": moe.experts_grouped, "gathered": moe.experts_gathered}
-    paths.update({name: path for name, path in swapped.items() if name.startswith("tokamax")})
     if jax.default_backend() == "gpu":  # the kernel's tunings: interpreted off the GPU, only the defaults
         paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
-    paths["grouped_in_out"] = swapped["grouped_in_out"]
-    return paths, set(swapped)
+    return {**paths, **swapped}, set(swapped)
 
 
 def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) -> None:
-    """The MoE layers alone: the kernel's tunings at the plan's ffn_tokens, the other paths at its
+    """The MoE layers alone: the kernel at the plan's ffn_tokens, the other paths and tunings at its
     others_tokens (path by path, in _expert_paths' order), each compiled once and timed on each routing,
     against the distinct experts' bytes and the routers' over the copy rate."""
     cfg = s.plan.target
@@ -216,7 +215,7 @@ def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) 
            for tokens in set(plan.ffn_tokens) | set(others)}
     for name, path in paths.items():
         stack = swapped if name in in_out else layers
-        for tokens in plan.ffn_tokens if name.startswith("kernel") else others:
+        for tokens in plan.ffn_tokens if name == "kernel" else others:
             if not run.time_left(f"experts t{tokens} {name}"):
                 return
             weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
