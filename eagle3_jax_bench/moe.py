@@ -181,6 +181,7 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
 # Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed after its defaults ("kernel").
 KERNEL_TUNINGS = {
     "kernel_g16": {"down_groups": 16},
+    "kernel_g64": {"down_groups": 64},  # one slot a group to 8 tokens (partial sums: 4 MiB at 8, 32 MiB at 64)
     "kernel_i16": {"block_i": 16},  # twice the gate/up programs
     "kernel_d32_g16": {"block_d": 32, "down_groups": 16},  # wider down blocks, as many programs as the default
     "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)

@@ -132,7 +132,8 @@ def _down_kernel(slots_ref, count_ref, combine_ref, h_ref, w_ref, o_ref, *, rows
     # One loop over this group's (slot, K step) pairs, so Triton pipelines the weight loads across experts
     # too; each row's activations are scaled by its combine weight before the dot (the sum is linear).
     def step(i, acc):
-        s = first + lax.div(i, jnp.int32(steps))  # i >= 0: no sign fix-up (jnp's //, %)
+        # i >= 0: no sign fix-up (jnp's //, %); one slot a group: the slot is a loop invariant
+        s = first if group == 1 else first + lax.div(i, jnp.int32(steps))
         cols, in_k = _window(lax.rem(i, jnp.int32(steps)), block_k, I)
         h = pltriton.load(h_ref.at[s, row, cols], mask=in_rows[:, None] & in_k[None, :],
                           other=jnp.zeros((), h_ref.dtype))
