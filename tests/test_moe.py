@@ -60,22 +60,23 @@ def test_expert_paths_match_the_dense_reference():
 
 def test_ranked_top_k_and_distinct_ids_without_a_sort():
     """top_k_ranked against lax.top_k on rows with many ties (values from 4 levels: ties go to the lower
-    index) and on a router's float32 probabilities; distinct_ids against jnp.unique; route's two selections
-    give the same weights and ids."""
-    ties = jax.random.randint(jax.random.key(1), (6, 128), 0, 4).astype(jnp.float32)
-    for values in (ties, jax.nn.softmax(jax.random.normal(jax.random.key(2), (5, 16)), axis=-1)):
-        for k in (1, 8):
-            got, want = moe.top_k_ranked(values, k), jax.lax.top_k(values, k)
-            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    for M, k, E in ((5, 3, 8), (4, 8, 128), (2, 2, 16)):  # experts shared, all routed to, few routed to
-        ids = jax.random.randint(jax.random.key(M), (M, k), 0, E)
-        want = jnp.unique(ids.reshape(-1), size=min(M * k, E), fill_value=E)
-        np.testing.assert_array_equal(np.asarray(moe.distinct_ids(ids, E, min(M * k, E))), np.asarray(want))
-    x, router = jax.random.normal(jax.random.key(3), (4, 8)), jax.random.normal(jax.random.key(4), (16, 8))
-    ranked, sorted_ = moe.route(x, router, 4, True), moe.route(x, router, 4, True, select="sort")
-    np.testing.assert_array_equal(np.asarray(ranked[1]), np.asarray(sorted_[1]))
-    np.testing.assert_allclose(np.asarray(ranked[0]), np.asarray(sorted_[0]), rtol=1e-6)
+    index) and on softmax probabilities; distinct_ids against np.unique padded with E (experts shared, all 8
+    routed to, few of 128). route's default (ranks) meets transformers in the golden tests below."""
+    rng = np.random.default_rng(0)
+    ties = rng.integers(0, 4, (6, 128)).astype(np.float32)
+    logits = rng.standard_normal((5, 16)).astype(np.float32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    ranked = jax.jit(moe.top_k_ranked, static_argnums=1)
+    for values, k in ((ties, 8), (probs, 3)):
+        (got_values, got_ids), (values_, ids_) = ranked(values, k), jax.lax.top_k(values, k)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_))
+        np.testing.assert_array_equal(np.asarray(got_values), np.asarray(values_))
+    distinct = jax.jit(moe.distinct_ids, static_argnums=(1, 2))
+    for M, k, E in ((5, 3, 8), (4, 8, 128)):
+        ids = rng.integers(0, E, (M, k)).astype(np.int32)
+        want = np.unique(ids)
+        want = np.concatenate([want, np.full(min(M * k, E) - len(want), E)])
+        np.testing.assert_array_equal(np.asarray(distinct(ids, E, min(M * k, E))), want)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
