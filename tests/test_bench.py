@@ -103,12 +103,31 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
     from eagle3_jax.decoding import sampling as sampling_lib
 
     run = Run(600, tmp_path, "bench.json")
-    sampling.sampling(run, dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32), 1, 1, "xla")
-    (entry,) = run.results["sampling"]
+    setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
+    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step, with the row without the radix branch
+    sampling.sampling(run, setup, 1, 1, "xla", no_branch=False)  # a round (its no-branch rows: the same loop)
+    spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
-    assert entry["greedy_ms"] > 0 and entry["filter_ms"] > 0 and entry["filter_sort_ms"] > 0
+            assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
+    assert spec_off["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in spec_off
+    assert "sample_no_branch_ms" not in spec_off and "argmax_no_branch_ms" not in entry
+    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off
+    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
+                                                                    "filter_sort_ms"))
+    assert len(sampling.summary_lines(run.results)) == 4
+    # The engine's filter and the radix search alone find the same cuts.
+    x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
+    t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
+    filters = sampling._filters()
+    engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
+    np.testing.assert_array_equal(engine[0], radix[0])
+    np.testing.assert_array_equal(engine[1], radix[1])
+    alone = sampling._candidates_only(x, t, k, p)  # the no-branch rows' filter: the same cuts
+    np.testing.assert_array_equal(alone.cut, radix[0])
+    np.testing.assert_array_equal(alone.tie_id, radix[1])
+    assert sampling_lib.filter_rows is not sampling._candidates_only  # restored after the no-branch rows
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
     np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),

@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle3_jax.decoding import sampling
+from eagle3_jax.decoding import candidate_filter, sampling
 
 
 def transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -23,11 +23,18 @@ def transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p
 
 
 def ours(logits: np.ndarray, temperature, top_k, top_p) -> np.ndarray:
+    """The filter over the rows, in two calls: the rows the candidate filter takes (top_k in [1, K]) apart from
+    the others, so that each path is checked (a call with one row of the others takes the radix search)."""
     rows = len(logits)
     t, k, p = (np.broadcast_to(np.asarray(x), (rows,)) for x in (temperature, top_k, top_p))
     fn = jax.jit(sampling.filtered_probs)
-    return np.asarray(fn(jnp.asarray(logits, jnp.float32), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                         jnp.asarray(p, jnp.float32)))
+    out = np.zeros(logits.shape, np.float32)
+    by_candidates = (k >= 1) & (k <= min(candidate_filter.K, logits.shape[-1]))
+    for group in (by_candidates, ~by_candidates):
+        if group.any():
+            out[group] = fn(jnp.asarray(logits[group], jnp.float32), jnp.asarray(t[group], jnp.float32),
+                            jnp.asarray(k[group], jnp.int32), jnp.asarray(p[group], jnp.float32))
+    return out
 
 
 def check_rows(logits, settings, atol=1e-6):
@@ -102,6 +109,14 @@ def test_top_p_ties_at_the_boundary(monkeypatch):
     assert split >= 10  # the cases do cut through tied groups
 
 
+def as_filtered(p):
+    """Distributions p [R, V] (every entry > 0) as a `sampling.Filtered` that keeps every token."""
+    logits = jnp.log(p)
+    top = jnp.max(logits, axis=-1)
+    return sampling.Filtered(logits, jnp.full(top.shape, -jnp.inf), jnp.zeros(top.shape, jnp.int32), top,
+                             jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
+
+
 def test_verify_stops_for_room_with_a_draw_from_p_not_the_residual():
     """When the cache has room for fewer drafts than were proposed, the round stops after them without a
     rejection: the next token comes from p there. 100,000 rounds of fixed p and q in one call."""
@@ -115,7 +130,7 @@ def test_verify_stops_for_room_with_a_draw_from_p_not_the_residual():
     @jax.jit
     def run(room):
         pb, qb = (jnp.broadcast_to(x, (N,) + x.shape) for x in (p, q))
-        return sampling.verify(keys, pb, drafts, qb, room)
+        return sampling.verify(keys, as_filtered(pb.reshape(N * (G + 1), V)), drafts, qb, room)
 
     for room in (0, 1):
         accepted, tokens = run(jnp.full((N,), room, jnp.int32))
@@ -136,3 +151,57 @@ def test_row_keys_depend_only_on_seed_and_position(shape):
     draw = jax.vmap(lambda k: jax.random.uniform(k, shape))
     np.testing.assert_array_equal(draw(keys), draw(again))
     assert len({tuple(np.asarray(x).ravel()) for x in draw(keys)}) == 3
+
+
+def test_ties_past_the_candidates(monkeypatch):
+    """200 tokens tied at the top-k cut, spread over the row, more than the 64 candidates hold: top-k keeps
+    them all, and top-p cuts inside them (within the candidates and past them) or keeps them all. The kept
+    tokens and their probabilities are transformers' under a stable sort."""
+    rng = np.random.default_rng(5)
+    V = 1000
+    row = rng.uniform(-6.0, 0.0, V).astype(np.float32)
+    spots = rng.permutation(V)
+    row[spots[:10]] = rng.uniform(2.0, 4.0, 10)
+    row[spots[10:210]] = 1.0
+    settings = [(t, 20, p) for t in (1.0, 0.7) for p in (0.6, 0.8, 0.9, 0.97, 0.9999, 1.0)]
+    got = ours(np.repeat(row[None], len(settings), axis=0), *zip(*settings))
+    tied_kept = []
+    for g, (t, k, p) in zip(got, settings):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "sort", stable_sort(torch.sort))
+            want = transformers_probs(row, t, k, p)
+        np.testing.assert_array_equal(g > 0, want > 0, err_msg=f"{(t, k, p)}")
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-9, err_msg=f"{(t, k, p)}")
+        tied_kept.append(int(np.sum(g[spots[10:210]] > 0)))
+    assert min(tied_kept) < 54 < max(tied_kept)  # 54 tied tokens are candidates: cuts fall either side
+    assert any(54 < n < 200 for n in tied_kept) and 200 in tied_kept
+
+
+def test_rows_without_top_k_beside_rows_with_it():
+    """One call mixing top_k 0, top_k 20, top_k past the candidates and a greedy row takes the radix search
+    for every row: each row's result is transformers', and a top_k 20 row's is what the candidates give."""
+    rng = np.random.default_rng(6)
+    V = 3000
+    logits = (rng.standard_normal((5, V)) * 3).astype(np.float32)
+    settings = [(0.6, 20, 0.95), (1.0, 0, 0.9), (0.8, candidate_filter.K + 1, 0.99), (0.6, 20, 0.5), (0.0, 0, 1.0)]
+    t, k, p = (np.array(x) for x in zip(*settings))
+    fn = jax.jit(sampling.filtered_probs)
+    mixed = np.asarray(fn(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                          jnp.asarray(p, jnp.float32)))
+    for row, (ti, ki, pi), g in zip(logits[:4], settings[:4], mixed[:4]):
+        want = transformers_probs(row, ti, ki, pi)
+        np.testing.assert_array_equal(g > 0, want > 0, err_msg=f"{(ti, ki, pi)}")
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-9)
+    alone = ours(logits[[0, 3]], t[[0, 3]], k[[0, 3]], p[[0, 3]])
+    np.testing.assert_allclose(alone, mixed[[0, 3]], rtol=1e-6, atol=1e-12)
+
+
+def test_a_top_k_cut_at_minus_infinity_takes_the_radix_search():
+    """Rows with fewer finite logits than top_k: the k-th candidate is -inf, which the candidate filter leaves
+    to the radix search; the result is transformers' either way, in a batch with an ordinary row."""
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((2, 300)) * 2).astype(np.float32)
+    logits[0, rng.permutation(300)[:290]] = -np.inf  # 10 finite logits
+    _, exact = jax.jit(candidate_filter.filter_rows)(jnp.asarray(logits), jnp.full((2,), 20), jnp.full((2,), 0.9))
+    assert exact.tolist() == [False, True]
+    check_rows(logits, [(1.0, 20, 0.9), (0.7, 20, 0.9)])

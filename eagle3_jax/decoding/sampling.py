@@ -6,13 +6,16 @@ Filters follow transformers' `generate` order (`TemperatureLogitsWarper`, then `
 array with one value per row, so a batch mixes settings and new values never recompile.
 
 What is kept. After both filters a row keeps the tokens whose tempered logit is above a cut, and of the
-tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row). The cuts
-come from a radix search over the logits' bit patterns, not a sort: a float32 maps to a uint32 key with
-the same order, and the key is settled 4 bits at a time, from the top, by one pass over the row that
-weighs 16 candidate thresholds at once (top-k counts the tokens at or above each candidate, top-p sums
-their probability). 8 passes fix a 32-bit key exactly: the threshold a sort would give, not an
-approximation. On the H200 the filter takes 0.26 ms over [4, 151936] rows and 1.03 ms over [32, 151936]
-(a sort per row: 0.33 and 1.19 ms), as XLA runs each pass as its own reduction (BENCHMARKS.md).
+tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row, from which a
+probability is one logit read and a row's distribution one elementwise pass). Two exact searches find the
+cuts. When every sampled row's top_k is in [1, 64], they come from each row's 64 largest logits
+(candidate_filter.py: a few passes over the row). Otherwise a radix search over the logits' bit patterns
+runs, a device-side branch: a float32 maps to a uint32 key with the same order, and the key is settled 4
+bits at a time, from the top, by one pass over the row that weighs 16 candidate thresholds at once (top-k
+counts the tokens at or above each candidate, top-p sums their probability). 8 passes fix a 32-bit key
+exactly: the threshold a sort would give, not an approximation. On the H200 the radix search takes 0.26 ms
+over [4, 151936] rows and 1.03 ms over [32, 151936] (a sort per row: 0.33 and 1.19 ms), as XLA runs each
+pass as its own reduction (BENCHMARKS.md).
 
 Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
 cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
@@ -27,6 +30,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from eagle3_jax.decoding import candidate_filter
 
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
@@ -70,6 +75,17 @@ class Filtered:
     def probs(self) -> jax.Array:
         weights = jnp.where(self.keep(), jnp.exp(self.logits - self.top[:, None]), 0.0)
         return weights / self.total[:, None]
+
+    def prob(self, rows: jax.Array, ids: jax.Array) -> jax.Array:
+        """The filtered probability of token ids[...] in row rows[...] (same shapes): one logit read each."""
+        x = self.logits[rows, ids]
+        cut = self.cut[rows]
+        kept = (x > cut) | ((x == cut) & (ids >= self.tie_id[rows]))
+        return jnp.where(kept, jnp.exp(x - self.top[rows]) / self.total[rows], 0.0)
+
+    def rows(self, rows: jax.Array) -> Filtered:
+        """The rows rows [B] of this filter, as their own `Filtered`."""
+        return jax.tree.map(lambda a: a[rows], self)
 
 
 # ----------------------------------------------------------------------------- filters
@@ -131,8 +147,8 @@ def top_p_mask(logits: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Arr
     return keep | (top_p[:, None] >= 1)
 
 
-def _radix_filter(x, top_k, top_p):
-    """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches."""
+def radix_filter(x, top_k, top_p):
+    """(cut, tie_id, top, total) of tempered logits x [R, V] by the radix searches: exact for any settings."""
     keep_k = top_k_mask(x, top_k)
     x_k = jnp.where(keep_k, x, -jnp.inf)
     keep = keep_k & top_p_mask(x_k, jax.nn.softmax(x_k, axis=-1), top_p)
@@ -144,16 +160,26 @@ def _radix_filter(x, top_k, top_p):
     return cut, tie_id, top, jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None]), 0.0), axis=-1)
 
 
+def tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """float32 logits [R, V] / temperature [R] (1 for a greedy row), as one buffer for every use: XLA may
+    otherwise recompute the division in each fusion that reads it, and the CPU's vectorised division rounds
+    differently from its scalar one, so a cut taken from one copy could miss its own token in another."""
+    scale = jnp.where(temperature <= 0, 1.0, temperature)
+    return jax.lax.optimization_barrier(logits.astype(jnp.float32) / scale[:, None])
+
+
 def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
-    the tempered distribution (transformers' order). A greedy row (temperature 0) is filtered at
+    the tempered distribution (transformers' order). When every sampled row has top_k in [1, K]
+    (candidate_filter.py) the cuts come from each row's K largest logits, else from the radix search; both
+    are exact, so which one ran does not change the result. A greedy row (temperature 0) is filtered at
     temperature 1; its result is not used."""
     greedy = temperature <= 0
-    # One buffer of tempered logits for every use: XLA may otherwise recompute the division in each fusion
-    # that reads it, and the CPU's vectorised division rounds differently from its scalar one, so a cut
-    # taken from one copy could miss its own token in another.
-    x = jax.lax.optimization_barrier(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None])
-    return Filtered(x, *_radix_filter(x, top_k, top_p))
+    x = tempered(logits, temperature)
+    from_candidates, exact = candidate_filter.filter_rows(x, top_k, top_p)
+    # One program for every mix of settings: the radix search runs only when a sampled row needs it.
+    needs_radix = jnp.any(~greedy & ~exact)
+    return Filtered(x, *jax.lax.cond(needs_radix, lambda: radix_filter(x, top_k, top_p), lambda: from_candidates))
 
 
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -209,24 +235,26 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.maximum(p - q, 0.0)
 
 
-def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
+def verify(keys, p: Filtered, drafts: jax.Array, q: jax.Array | None, room: jax.Array,
            q_ids: jax.Array | None = None):
     """Speculative sampling for one round of B rows (Leviathan et al., Chen et al.).
 
-    p [B, G + 1, V]: the target's filtered distribution after each of [x_n, d_1 .. d_G]; drafts [B, G]
-    (target ids) drawn from q; room [B]: the most drafts the cache can take. q is None for argmax drafts
-    (q one-hot at the draft: nothing is built for it), else [B, G, Vq] over the token ids q_ids [Vq]
-    (distinct; None: the whole vocabulary), so a drafter's q on its draft vocabulary is never spread over
-    the target's. Draft i is accepted with probability min(1, p_i / q_i) until the first rejection, which
-    samples from normalise(max(p - q, 0)) there; when every considered draft is accepted (all G, or the
-    room's worth) the next token comes from p. Lossless for any q: each emitted token is distributed as p.
-    Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled token, then padding).
+    p: the target's filter over B (G + 1) rows, row b (G + 1) + i after token i of [x_n, d_1 .. d_G] of
+    batch row b; it is read only at the drafts and over the one row the round's last token is drawn from.
+    drafts [B, G] (target ids) drawn from q; room [B]: the most drafts the cache can take. q is None for
+    argmax drafts (q one-hot at the draft: nothing is built for it), else [B, G, Vq] over the token ids
+    q_ids [Vq] (distinct; None: the whole vocabulary), so a drafter's q on its draft vocabulary is never
+    spread over the target's. Draft i is accepted with probability min(1, p_i / q_i) until the first
+    rejection, which samples from normalise(max(p - q, 0)) there; when every considered draft is accepted
+    (all G, or the room's worth) the next token comes from p. Lossless for any q: each emitted token is
+    distributed as p. Returns (accepted [B], tokens [B, G + 1]: the accepted drafts, then the sampled
+    token, then padding).
     """
     B, G = drafts.shape
-    V = p.shape[-1]
+    V = p.logits.shape[-1]
     rows = jnp.arange(B)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
-    p_x = jnp.take_along_axis(p[:, :G], drafts[:, :, None], axis=-1)[..., 0]
+    p_x = p.prob(rows[:, None] * (G + 1) + jnp.arange(G)[None, :], drafts)
     if q is None:
         q_x = jnp.ones_like(p_x)
     elif q_ids is None:
@@ -237,12 +265,12 @@ def verify(keys, p: jax.Array, drafts: jax.Array, q: jax.Array | None, room: jax
     considered = jnp.clip(room, 0, G)  # drafts beyond the room are never judged: a stop there draws from p
     accepted = jnp.minimum(leading, considered)
     rejected = leading < considered
-    p_a = p[rows, accepted]
+    p_a = p.rows(rows * (G + 1) + accepted).probs()
     judged = jnp.minimum(accepted, G - 1)  # q is read only where a draft was rejected
     if G == 0:
         q_a = jnp.zeros_like(p_a)
     elif q is None:
-        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p.dtype)
+        q_a = jax.nn.one_hot(drafts[rows, judged], V, dtype=p_a.dtype)
     elif q_ids is None:
         q_a = q[rows, judged]
     else:

@@ -169,7 +169,9 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     if not spec.sampling:
         return choices, accepted
     s = state.sampling
-    p = sampling_lib.filtered_probs(logits, s.temperature[:, None], s.top_k[:, None], s.top_p[:, None])
+    B, rows, V = logits.shape
+    p = sampling_lib.filter_rows(logits.reshape(B * rows, V),
+                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)))
     # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
     # 0 for every other target token.
     draft_ids = (None if draft_q is None
