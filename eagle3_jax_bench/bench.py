@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate", action="store_true",
                         help="only the round costs num_draft_tokens='auto' chooses from, at the model's shapes: "
                              "measured (or loaded, if fresh) and printed (eagle3_jax_bench/auto_gamma.py)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="MoE: only the ceilings, the routing and the whole target's decode and verify steps")
     return parser
 
 
@@ -127,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
     is_moe = args.model == "qwen3-30b-a3b"
-    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only)):
+    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only),
+                        ("--steps-only", args.steps_only)):
         if given and not is_moe:
             parser.error(f"{flag} is for --model qwen3-30b-a3b")
+    if args.experts_only and args.steps_only:
+        parser.error("--experts-only and --steps-only are two runs: give one")
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
@@ -148,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             moe.experts_only(run, plan, kernels[0], dtype, args.routing or "random")
             return _finish(run, moe.summary(run.results))
         s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
+        if args.steps_only:
+            moe.steps_only(run, s)
+            return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
         moe.run_all(run, s, plan, args.routing or "random")
         return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
     plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
