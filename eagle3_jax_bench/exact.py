@@ -1,12 +1,14 @@
 """`python -m eagle3_jax_bench.exact`: what `Engine(exact=True)` costs on the GPU, at Qwen3-8B shapes.
 
 Sections (`--sections` picks; no new row starts after `--budget-s`; the step's rows at batch 1 and 8 and
-the verify at batch 1 run first, then the matmul table, then the other step rows, then agreement):
+the verify at batch 1 run first, then the rounds, the matmul table, the other step rows, then agreement):
   step       the engine's spec-off step (one target token, argmax, commit; rounds_per_call rounds to a
              call, reported per round) at batch 1, 8 and 32, and the verify of 4 tokens (one call each) at
              batch 1 and 8, at KV length 1024: the exact kernels against the default ("pallas"), each
              against its floor (the weights and live KV it must read, over the copy rate measured here),
              as dense.py's tables (a) and (b) count it
+  round      the engine's gamma-3 round (a random drafter) at batch 1, 8 and 32, KV length 1024: exact
+             against the default kernels (the drafter runs the default kernels in both, as in the Engine)
   matmul     pallas_kernels.skinny_matmul against XLA's current choice (layers.linear: a row reduction for
              one row, a GEMM for more; the lm_head's einsum with float32 logits) at Qwen3-8B's five weight
              shapes and 1, 4, 8, 16, 32, 64 rows: wall time per call in a jit of back-to-back calls, each
@@ -35,6 +37,7 @@ import numpy as np
 import pallas_kernels
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import layers
 from eagle3_jax.models import qwen3 as target_lib
@@ -43,7 +46,7 @@ from . import dense, presets, steps
 from .core import Run, Timed, compile_timed, time_chain, time_pure, versions
 from .inputs import normal, random_cache, random_models, random_state, random_tree
 
-SECTIONS = ("step", "matmul", "agreement")
+SECTIONS = ("step", "round", "matmul", "agreement")
 L2_BYTES = 256 << 20  # weight copies per timed jit: several times the H200's 50 MB L2
 
 
@@ -125,6 +128,29 @@ def spec_off_step(s: Setup, tparams, batch: int, exact: bool) -> steps.EngineCal
                          with_drafter=False)
     return steps.engine_rounds(spec, tparams, None, state, engine_lib.ROUNDS_PER_CALL, plan.models.reps,
                                plan.models.inner)
+
+
+def round_section(run: Run, s: Setup, tparams, batches: tuple[int, ...]) -> None:
+    """The engine's gamma-3 round (a random drafter: about one token a round), without and with exact, from
+    the plan's KV length; the capacity leaves the timed rounds room to grow (L + 512)."""
+    plan, (cfg, dcfg) = s.plan, (s.plan.models.target, s.plan.models.drafter)
+    dparams = random_tree(drafter_lib.abstract_params(dcfg, s.dtype), seed=2)
+    capacity = plan.kv_length + 512
+    read = (steps.target_weight_bytes(tparams) + steps.nbytes(dparams)
+            + steps.kv_bytes(cfg.num_layers, 1, plan.kv_length, cfg.num_kv_heads, cfg.head_dim,
+                             jnp.dtype(s.dtype).itemsize))
+    for batch in batches:
+        for exact in (False, True):
+            if not run.time_left(f"round b{batch} exact={exact}"):
+                continue
+            spec = spec_round.StepSpec(target=cfg, drafter=dcfg, gamma=plan.gamma, max_len=capacity,
+                                       kernels=s.kernels, exact=exact)
+            state = random_state((cfg, dcfg), batch, plan.kv_length, capacity, s.dtype, with_drafter=True)
+            timed = steps.engine_rounds(spec, tparams, dparams, state, engine_lib.ROUNDS_PER_CALL, plan.models.reps,
+                                        plan.models.inner)
+            # The floor counts one row's KV: rows are compared with each other, exact against the default.
+            run.row("round", {"batch": batch, "kv_len": plan.kv_length, "gamma": plan.gamma, "exact": exact,
+                              "compile_s": timed.compile_s}, timed.seconds, read)
 
 
 def verify_logits(params, tokens, cache, *, cfg, capture, kernels):
@@ -211,7 +237,7 @@ def agreement_section(run: Run, s: Setup) -> None:
 def summary(results: dict) -> str:
     lines = [f"{results['versions']['device']}, jax {results['versions']['jax']}, copy {results['copy_tbps']:.2f} "
              f"TB/s, default kernels: {results['kernels']}"]
-    for section in ("step", "verify"):
+    for section in ("step", "verify", "round"):
         for r in results.get(section, []):
             lines.append(f"{section:6s} b{r['batch']:<3d} kv {r['kv_len']} exact={r['exact']!s:5s} "
                          f"{r['time_ms']:8.3f} ms  floor {r['floor_ms']:.3f}  x floor {r['ratio']:.3f}")
@@ -255,11 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args.budget_s, Path(args.out), "bench_exact.json")
     run.results.update(versions=versions(), kernels=s.kernels)
     run.results["copy_tbps"] = run.ceilings(plan.models.copy_bytes, matmul_n=None)["copy_tbps"]
-    if "step" in args.sections or "matmul" in args.sections:
+    if {"step", "round", "matmul"} & set(args.sections):
         tparams = random_tree(target_lib.abstract_params(plan.models.target, dtype), seed=1)
         # The headline rows first (the default's 3% test is at batch 1 and 8), so a short budget keeps them.
         if "step" in args.sections:
             step_section(run, s, tparams, plan.batches[:2], plan.verify_batches[:1])
+        if "round" in args.sections:
+            round_section(run, s, tparams, plan.batches)
         if "matmul" in args.sections:
             matmul_section(run, s, tparams, args.tunings)
         if "step" in args.sections:

@@ -8,7 +8,14 @@ row, a GEMM with a row-dependent tiling (and split-K) for more, so the rounding 
 output element is computed the same way whatever M: rows are padded to tiles of ROW_TILE (16, the
 smallest tensor-core dot Triton emits), each tile is its own dot of the same shape, and the K loop runs
 in one fixed order with one accumulator per tile; there is no split-K. Row m's result depends only on
-x[m], the weight and the tuning (which depends on the weight's shape only).
+x[m] and the weight.
+
+Tunings: on the GPU, where Triton walks K in the tensor cores' 16-wide steps into one accumulator, a row's
+bits do not depend on the tuning either: an H200 probe (jax 0.11.2, bf16, Qwen3-8B's q/k/v, o, gate/up and
+down weights at 1, 8, 32 and 64 rows) found every block_n, block_k, num_warps and num_stages it tried
+bit-identical to the default, and tests/test_exact_gpu.py checks the rows of the tuned calls against each
+other. So a call takes the tuning measured fastest for its row count (`row_tuning`). The interpreter (the
+CPU tests) adds each block_k chunk's product separately, so there one tuning serves every row count.
 
 One program per block of `block_n` weight rows: it streams its [block_n, K] slab once, block_k columns at
 a time, and multiplies each slab tile into every row tile, so the weight is read once for all the rows of
@@ -38,11 +45,12 @@ ROW_TILE = 16  # rows per dot: Triton's smallest tensor-core tile
 # Hopper's 227 KiB, in bf16 (block_k 256) and in float32 (block_k 128); float32 at block_k 256 asked the H200
 # for 288 KiB and was refused.
 MAX_ROWS = 64
+SHARED_BYTES = 232448  # what the H200 offers one program (its refusals quote it)
 
 
 @dataclasses.dataclass(frozen=True)
 class SkinnyConfig:
-    """Static tuning. It may depend on the weight's shape, never on M: that is what keeps rows exact."""
+    """Static tuning (see the module docstring for why, on the GPU, it may depend on the row count)."""
 
     block_n: int = 64  # weight rows per program (a power of 2 >= 16; halved until it divides N)
     block_k: int = 256  # columns per loop step (a power of 2 >= 16; capped at K rounded up to a power of 2)
@@ -66,6 +74,40 @@ class SkinnyConfig:
         if itemsize > 2:
             defaults["block_k"] = 128
         return cls(**{**defaults, **tuning})
+
+
+def row_tuning(n: int, k: int, itemsize: int, rows: int) -> dict:
+    """The fields the GPU takes for an [n, k] weight at `rows` rows (one call: at most MAX_ROWS), over
+    SkinnyConfig.for_weight's defaults. From the H200 sweep (`python -m eagle3_jax_bench.exact --sections
+    matmul --tunings ...`, BENCHMARKS.md table (j)): up to 16 rows the defaults are fastest; from 17 rows
+    wider weight blocks, which re-read the rows less often (each program reads every row), win, and long
+    rows (down, K 12288) take longer K steps instead. 4-byte elements keep the defaults: wider blocks do
+    not fit Hopper's shared memory at 32 rows and up (see MAX_ROWS)."""
+    if itemsize != 2 or rows <= 16:
+        return {}
+    if rows <= 32:
+        tuning = {"block_k": 512} if k > 8192 else {"block_n": 128, "block_k": 128}
+    elif k > 8192:
+        tuning = {"block_k": 128}
+    else:
+        tuning = {"block_n": 256, "block_k": 64} if n > 8192 else {"block_n": 64}
+    fits = shared_bytes(SkinnyConfig.for_weight(n, k, itemsize, **tuning), n, k, itemsize, rows) <= SHARED_BYTES
+    return tuning if fits else {}
+
+
+def shared_bytes(config: SkinnyConfig, n: int, k: int, itemsize: int, rows: int) -> int:
+    """The shared memory a call asks for: every row tile and the weight block of a K step, for each of the
+    num_stages - 1 steps in flight (the H200's refusals of larger tunings matched this count)."""
+    block_n, block_k = _blocks(config, n, k)
+    return (pl.cdiv(rows, ROW_TILE) * ROW_TILE + block_n) * block_k * itemsize * (config.num_stages - 1)
+
+
+def _blocks(config: SkinnyConfig, n: int, k: int) -> tuple[int, int]:
+    """The block_n and block_k a call runs: block_n halved until it divides n, block_k capped at k's power of 2."""
+    block_n = config.block_n
+    while n % block_n:
+        block_n //= 2
+    return block_n, min(config.block_k, _common.next_power_of_2(k))
 
 
 def _kernel(x_ref, w_ref, o_ref, *, block_k, precision):
@@ -103,10 +145,7 @@ def _row_window(tile: int):
 def _skinny(x, w, *, out_dtype, config, interpret):
     M, K = x.shape
     N = w.shape[0]
-    block_n = config.block_n
-    while N % block_n:
-        block_n //= 2
-    block_k = min(config.block_k, _common.next_power_of_2(K))
+    block_n, block_k = _blocks(config, N, K)
     # float32 operands: IEEE products (the GPU's default for a float32 dot is TF32).
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return pl.pallas_call(
@@ -124,7 +163,8 @@ def _skinny(x, w, *, out_dtype, config, interpret):
 def skinny_matmul(x, w, *, out_dtype=None, interpret: bool = False, **static_tuning):
     """x [..., K] @ w.T for w [N, K] (transformers' [out, in]) -> [..., N] in out_dtype (default: x and w's
     result type), accumulated in float32. Every row's result is the same whatever the number of rows.
-    static_tuning: fields of SkinnyConfig (defaults from the weight's shape)."""
+    static_tuning: fields of SkinnyConfig (defaults from the weight's shape and, on the GPU, each call's
+    row count: `row_tuning`)."""
     N, K = w.shape
     if x.shape[-1] != K or x.size == 0:
         raise ValueError(f"x {x.shape} does not fit weight {w.shape}, or has no rows")
@@ -134,9 +174,12 @@ def skinny_matmul(x, w, *, out_dtype=None, interpret: bool = False, **static_tun
         raise ValueError(f"x is {x.dtype} but the weight is {w.dtype}")
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x, w))
     flat = x.reshape(-1, K)
-    config = SkinnyConfig.for_weight(N, K, w.dtype.itemsize, **static_tuning)
-    parts = [_skinny(flat[i:i + MAX_ROWS], w, out_dtype=out_dtype, config=config, interpret=interpret)
-             for i in range(0, flat.shape[0], MAX_ROWS)]
+    parts = []
+    for i in range(0, flat.shape[0], MAX_ROWS):
+        rows = flat[i:i + MAX_ROWS]
+        by_rows = {} if interpret else row_tuning(N, K, w.dtype.itemsize, rows.shape[0])
+        config = SkinnyConfig.for_weight(N, K, w.dtype.itemsize, **{**by_rows, **static_tuning})
+        parts.append(_skinny(rows, w, out_dtype=out_dtype, config=config, interpret=interpret))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return out.reshape(*x.shape[:-1], N)
 

@@ -57,6 +57,30 @@ def test_skinny_matmul_rows_do_not_depend_on_the_row_count(dtype, monkeypatch):
     np.testing.assert_array_equal(bits(pallas_kernels.skinny_matmul(x, w, interpret=True, block_k=32)), bits(full))
 
 
+def test_row_tunings_fit_shared_memory_and_count_it_as_the_gpu_does():
+    """The shared-memory count against the two figures the H200 quoted when it refused a tuning (block_k 512:
+    q/k/v at 64 rows, gate/up at one row); every tuning row_tuning picks, at Qwen3 dense shapes from 0.6B to
+    32B and every row count of a call, fits; the buckets are the sweep's."""
+    sm = importlib.import_module("pallas_kernels.skinny_matmul")
+
+    def asked(n, k, rows, **tuning):
+        return sm.shared_bytes(sm.SkinnyConfig.for_weight(n, k, 2, **tuning), n, k, 2, rows)
+
+    assert asked(6144, 4096, 64, block_k=512) == 294912 and asked(24576, 4096, 1, block_k=512) == 245760
+    # hidden, intermediate, q/k/v rows: Qwen3-0.6B, 8B, 32B; the lm_head's vocabulary
+    for d, i, qkv in ((1024, 3072, 4096), (4096, 12288, 6144), (5120, 25600, 10240)):
+        for n, k in ((qkv, d), (d, d * 2), (2 * i, d), (d, i), (151936, d)):
+            for itemsize in (2, 4):
+                for rows in range(1, sm.MAX_ROWS + 1):
+                    config = sm.SkinnyConfig.for_weight(n, k, itemsize, **sm.row_tuning(n, k, itemsize, rows))
+                    assert sm.shared_bytes(config, n, k, itemsize, rows) <= sm.SHARED_BYTES, (n, k, itemsize, rows)
+    assert sm.row_tuning(4096, 12288, 2, 16) == {} and sm.row_tuning(4096, 12288, 4, 64) == {}
+    assert sm.row_tuning(4096, 12288, 2, 32) == {"block_k": 512}
+    assert sm.row_tuning(24576, 4096, 2, 64) == {"block_n": 256, "block_k": 64}
+    assert sm.row_tuning(6144, 4096, 2, 40) == {"block_n": 64}
+    assert sm.row_tuning(16384, 16384, 2, 32) == {}  # block_k 512 beside 64-row weight blocks would not fit
+
+
 def _attention_case(dtype):
     """4 rows of 8 new tokens over a cache of 100, 4 / 2 heads of 16, 16-key blocks: rows start at 0, 29, 37
     and 90, so their queries span 1 to 7 key blocks, in up to 3 runs."""
@@ -147,7 +171,8 @@ def test_bench_exact_dry_run(tmp_path):
     assert results["skipped"] == []
     assert {(r["batch"], r["exact"]) for r in results["step"]} == {(3, False), (3, True)}
     assert {(r["batch"], r["exact"]) for r in results["verify"]} == {(3, False), (3, True)}
-    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in results["step"] + results["verify"])
+    assert {(r["batch"], r["exact"], r["gamma"]) for r in results["round"]} == {(3, False, 3), (3, True, 3)}
+    assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in results["step"] + results["verify"] + results["round"])
     matmuls = {(r["weight"], r["rows"], r["impl"], json.dumps(r["tuning"])) for r in results["matmul"]}
     assert matmuls == {(w, 4, impl, t) for w in ("wo", "lm_head")
                        for impl, t in (("xla", "null"), ("pallas", "{}"), ("pallas", '{"block_n": 16}'))}
