@@ -317,7 +317,7 @@ class Engine:
             return self._given_costs(batch, length)
         template = template or self._greedy_template()
         spec = self._build(template)
-        build = (spec.sampling, spec.filter)  # each build its own costs
+        build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
                       "rounds_per_call": self.rounds_per_call, "gammas": self.gammas}
