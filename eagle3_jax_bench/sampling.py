@@ -42,13 +42,15 @@ def sorted_filter(logits, temperature, top_k, top_p):
 
 def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str | None,
                   settings: tuple | None) -> steps.EngineCall:
-    """A call of rounds from a random state at the plan's KV length: greedy when proposal is None, else
-    every row sampling with settings (temperature, top_k, top_p), in the build the engine picks for them."""
+    """A call of rounds from a random state at the plan's KV length (gamma 0: spec-off steps, no drafter):
+    greedy when proposal is None, else every row sampling with settings (temperature, top_k, top_p), in the
+    build the engine picks for them."""
     capacity = min(s.plan.spec_kv_length + 512, s.plan.target.max_position_embeddings)
-    spec = spec_round.StepSpec(target=s.plan.target, drafter=s.plan.drafter, gamma=gamma, max_len=capacity,
-                               kernels=kernels, sampling=proposal is not None, proposal=proposal or "argmax")
+    spec = spec_round.StepSpec(target=s.plan.target, drafter=s.plan.drafter if gamma else None, gamma=gamma,
+                               max_len=capacity, kernels=kernels, sampling=proposal is not None,
+                               proposal=proposal or "argmax")
     state = random_state((s.plan.target, s.plan.drafter), batch, s.plan.spec_kv_length, capacity, s.dtype,
-                         with_drafter=True)
+                         with_drafter=gamma > 0)
     if proposal is not None:
         t, k, p = settings
         params = sampling_lib.SamplingParams(
@@ -56,7 +58,8 @@ def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str 
             top_p=jnp.full((batch,), p, jnp.float32), seed=jnp.zeros((batch, 2), jnp.uint32))
         state = dataclasses.replace(state, sampling=params)
         spec = dataclasses.replace(spec, filter=sampling_lib.filter_for(params))
-    return steps.engine_rounds(spec, s.tparams, s.dparams, state, s.rounds_per_call, s.plan.reps, s.plan.inner)
+    return steps.engine_rounds(spec, s.tparams, s.dparams if gamma else None, state, s.rounds_per_call, s.plan.reps,
+                               s.plan.inner)
 
 
 # The candidate filter's block sizes timed beside its default (candidate_filter.BLOCKS; any give the same cuts).
