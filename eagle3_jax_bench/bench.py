@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import checks, dense, moe, sampling
+from . import checks, dense, moe, planted, sampling
 from .core import Run, versions
 
 
@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
+    parser.add_argument("--planted", action="store_true",
+                        help="only end-to-end tokens/s on a planted-acceptance world against its projection, "
+                             "and the best fixed gamma per batch (eagle3_jax_bench/planted.py, its defaults)")
     return parser
 
 
@@ -125,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
+    if args.planted:
+        model = ("tiny-moe" if is_moe else "tiny") if tiny else args.model
+        return planted.main(["--model", model, "--out", args.out, "--budget-s", str(args.budget_s)])
     on_gpu = jax.default_backend() == "gpu"
     kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if on_gpu else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.

@@ -16,7 +16,8 @@ size), draft id j being universe[j] (d2t). On it:
     back, so d_{k+1} = g(d_k).
 A draft d_k (after an accepted chain) is accepted when g agrees with f at d_{k-1} (at x_n for d_1): each
 position independently with probability a, so tau(gamma) = (1 - a^(gamma + 1)) / (1 - a) (`expected_tau`).
-`simulate` replays the accept lengths the engine must report for given prompts (the tests' oracle).
+`World.continuation` gives the tokens greedy decoding must emit and `simulate` the accept lengths the engine must
+report for given prompts: the bench checks every run against them, and the tests' oracle is the same check.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class World:
             raise ValueError(f"acceptance a must be in [0, 1], got {a!r}")
         agree = self.rank < round(a * self.size)
         return np.where(agree, self.successor, self.successor[self.successor])
+
+    def continuation(self, prompt, count: int) -> list[int]:
+        """The target's greedy continuation of a prompt: f applied to its last token, `count` times."""
+        i, out = np.searchsorted(self.universe, prompt[-1]), []
+        for _ in range(count):
+            i = self.successor[i]
+            out.append(int(self.universe[i]))
+        return out
 
     def prompts(self, count: int, length: int, seed: int = 0) -> list[list[int]]:
         """`count` prompts of `length` universe tokens drawn uniformly."""

@@ -1,0 +1,88 @@
+"""The planted-acceptance world (eagle3_jax_bench/planted_world.py) and its end-to-end bench (planted.py) at tiny
+shapes on the CPU: the engine's accept lengths are those the world's simulation replays, the simulation's tau
+follows the formula, and the bench's JSON has its rows (times are not asserted: speed is measured on the GPU)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eagle3_jax_bench import bench, planted, planted_world, presets
+
+
+def test_simulated_tau_follows_the_formula():
+    """At Qwen3-8B's universe (4,096 tokens), 32 prompts of 256 new tokens: the simulated tau is the formula's
+    within 4% at every gamma; a solves the formula; a = 0 and 1 give 1 and gamma + 1."""
+    world = planted_world.make_world(*presets.pair("qwen3-8b"))
+    assert world.size == 4096 and sorted(world.universe) == list(world.universe)
+    assert len({int(world.successor[i]) for i in range(world.size)}) == world.size  # a permutation ...
+    i, steps = 0, 0
+    while True:
+        i, steps = world.successor[i], steps + 1
+        if i == 0:
+            break
+    assert steps == world.size  # ... and one cycle
+    prompts = world.prompts(32, 4, seed=1)
+    for tau in (1.5, 2.5, 3.5):
+        a = planted_world.solve_acceptance(tau, 4)
+        assert planted_world.expected_tau(a, 4) == pytest.approx(tau, abs=1e-9)
+        assert abs(np.mean(world.drafter_successor(a) == world.successor) - a) <= 1 / world.size
+        for gamma in (1, 2, 4):
+            accepts = planted_world.simulate(world, a, prompts, 257, gamma)
+            simulated = np.mean([x + 1 for row in accepts for x in row])
+            assert simulated == pytest.approx(planted_world.expected_tau(a, gamma), rel=0.04), (tau, gamma)
+    assert planted_world.expected_tau(0.0, 4) == 1.0 and planted_world.expected_tau(1.0, 4) == 5.0
+
+
+def test_world_refuses_what_it_cannot_plant():
+    cfg, dcfg = presets.pair("tiny")
+    with pytest.raises(ValueError, match=r"universe size must be in \[2, 64\] for these shapes, got 65"):
+        planted_world.make_world(cfg, dcfg, size=65)
+    with pytest.raises(ValueError, match="ties it to the embedding"):
+        planted_world.make_world(*presets.pair("qwen3-1.7b"))
+    with pytest.raises(ValueError, match=r"acceptance a must be in \[0, 1\], got 1.5"):
+        planted_world.make_world(cfg, dcfg).drafter_successor(1.5)
+    with pytest.raises(ValueError, match=r"tau must be in \[1, gamma \+ 1 = 3\]"):
+        planted_world.solve_acceptance(3.5, 2)
+
+
+def test_planted_bench_dry_run(tmp_path):
+    """The bench at tiny shapes, float32, whose every run is checked against the world: the tokens are the target's
+    f-chain and the accept lengths those `simulate` replays, for worlds of tau 1 (a = 0: no draft accepted), 2 and
+    3 (a = 1: every draft, 1 + 8 x 3 new tokens filling whole rounds) at gamma 2. Nothing compiles in the timed
+    generates or the round timing; the best gamma per tau; and `bench --planted` runs it."""
+    new = 25
+    assert planted.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--taus", "1", "2", "3",
+                         "--gammas", "0", "2", "--prompt-len", "12", "--new-tokens", str(new), "--reps", "1",
+                         "--inner", "1"]) == 0
+    results = json.loads((tmp_path / "planted_bench.json").read_text())
+    rows = results["planted"]
+    assert [(r["gamma"], r["tau_target"]) for r in rows] == [(0, None), (2, 1.0), (2, 2.0), (2, 3.0)]
+    for r in rows:
+        assert r["accepts_match_simulation"] and r["tokens_follow_f"] and planted.holds(r), r
+        assert r["compilations"] == 0 and r["round_compilations"] == 0, r
+        assert r["tokens"] == 2 * new and r["tokens_per_s"] > 0 and r["ratio"] > 0 and r["ratio_decode"] > 0
+        assert r["device_rounds"] == 4 * r["calls"] >= r["rounds_per_row_max"] >= r["rounds_per_row_mean"]
+    assert [r["tau"] for r in (rows[0], rows[1], rows[3])] == [1.0, 1.0, 3.0]
+    assert rows[0]["rounds_per_row_max"] == new - 1 and rows[3]["rounds_per_row_max"] == 8
+    assert 1.0 < rows[2]["tau"] < 3.0 and all("speedup_projected" in r for r in rows[1:])
+    assert rows[2]["tau_expected"] == pytest.approx(planted_world.expected_tau(rows[2]["a"], 2))
+    assert results["world"]["acceptance"]["2.0"] == pytest.approx(planted_world.solve_acceptance(2.0, 2))
+    assert [(b["batch"], b["tau_target"]) for b in results["best"]] == [(2, 1.0), (2, 2.0), (2, 3.0)]
+    assert all(b["best_gamma"] in (0, 2) for b in results["best"])
+    assert "best fixed gamma, batch 2, tau 3.0" in planted.summary(results)
+    assert bench.main(["--tiny", "--planted", "--out", str(tmp_path / "bench"), "--budget-s", "0"]) == 0
+    skipped = json.loads((tmp_path / "bench" / "planted_bench.json").read_text())["skipped"]
+    assert skipped[0] == "planted b1 g0" and len(skipped) == 2 * 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--taus", "3.5", "--gammas", "0", "2"], r"--taus must be in [1, 3] (the largest gamma + 1), got [3.5]"),
+    (["--gammas", "0"], "--gammas must be >= 0 with one >= 1, got [0]"),
+    (["--new-tokens", "1"], "--new-tokens must be >= 2, got 1"),
+    (["--batches", "0"], "--batches must be >= 1, got 0"),
+])
+def test_planted_bench_refuses_bad_flags(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        planted.main(["--out", str(tmp_path), "--model", "tiny"] + argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
