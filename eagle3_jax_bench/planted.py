@@ -7,6 +7,10 @@ shapes, against the projection batch x tau / round time, the round timed in the 
 
 * worlds: one target; per tau target one drafter whose acceptance a solves expected_tau(a, G) = tau at the
   largest gamma G of --gammas, so the same world is decoded at every gamma (tau at gamma < G is lower).
+  --rows lockstep (the default): every row of a batch meets the same agreements (the pattern repeats every
+  LOCKSTEP_PERIOD positions along f's cycle and every prompt ends at a multiple of it), so no row finishes
+  rounds before another and the projection's full batch is what runs; --rows independent: each row its own
+  (a fixed batch then waits on its slowest row: 5-15% of the rounds at batch 8 and 32 in simulation).
 * per (batch, gamma): one Engine per world, max_batch = batch, every world's engine sharing one compilation,
   made by an untimed generate of the same prompts (two tokens each: exactly the prefill and call of rounds the
   timed run uses; Engine.compile would compile every admission shape a pool can run, four prefills at 32
@@ -47,11 +51,16 @@ from .inputs import random_state
 from .profile import count_compilations
 
 BATCHES = {"qwen3-8b": (1, 8, 32), "qwen3-30b-a3b": (1, 8), "tiny": (1, 2), "tiny-moe": (1, 2)}
+# Rows in lockstep: the agreement pattern repeats every this many positions along the cycle (at most half the
+# universe), so 4,096 tokens hold 32 distinct rows and 2,048 hold 16.
+LOCKSTEP_PERIOD = 128
+ROWS = ("lockstep", "independent")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     model: str
+    rows: str  # ROWS
     batches: tuple[int, ...]
     taus: tuple[float, ...]
     gammas: tuple[int, ...]  # ascending; 0 is spec-off
@@ -79,14 +88,17 @@ def build(run: Run, plan: Plan, dtype) -> Worlds:
     """The worlds on the device: a from each tau at the largest gamma."""
     start = time.perf_counter()
     cfg, dcfg = presets.pair(plan.model)
-    world = planted_world.make_world(cfg, dcfg)
+    size = planted_world.universe_size(cfg, dcfg)
+    period = min(LOCKSTEP_PERIOD, size // 2) if plan.rows == "lockstep" else None
+    world = planted_world.make_world(cfg, dcfg, size, period=period)
     target = planted_world.planted_target(cfg, world, dtype)
     drafters = {}
     for tau in plan.taus:
         a = planted_world.solve_acceptance(tau, max(plan.gammas))
         drafters[tau] = (a, planted_world.planted_drafter(dcfg, world, a, dtype))
     jax.block_until_ready((target.params, [d.params for _, d in drafters.values()]))
-    run.record("world", {"model": plan.model, "universe": world.size, "epsilon": planted_world.EPSILON,
+    run.record("world", {"model": plan.model, "universe": world.size, "rows": plan.rows, "period": world.period,
+                         "epsilon": planted_world.EPSILON,
                          "acceptance": {str(tau): a for tau, (a, _) in drafters.items()},
                          "init_s": time.perf_counter() - start, "max_len": plan.max_len})
     return Worlds(world, target, drafters, dtype)
@@ -201,7 +213,8 @@ def holds(row: dict) -> bool:
 
 def summary(results: dict) -> str:
     world = results["world"]
-    lines = [f"planted world {world['model']}: universe {world['universe']}, a per tau {world['acceptance']}",
+    lines = [f"planted world {world['model']}: universe {world['universe']}, rows {world['rows']} (period "
+             f"{world['period']}), a per tau {world['acceptance']}",
              f"{'batch':>5s} {'gamma':>5s} {'tau*':>4s} {'tau':>5s} {'expect':>6s} {'tok/s':>9s} {'decode':>9s} "
              f"{'project':>9s} {'ratio':>6s} {'r.dec':>6s} {'rounds':>7s} {'run':>5s} {'ok':>3s}"]
     for r in results.get("planted", []):
@@ -222,6 +235,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax_bench.planted", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", choices=tuple(BATCHES), default="qwen3-8b")
+    parser.add_argument("--rows", choices=ROWS, default=ROWS[0],
+                        help="lockstep: every row of a batch meets the same agreements (its rounds accept alike, no "
+                             "row waits on a slower one); independent: each row its own")
     parser.add_argument("--batches", type=int, nargs="+", help="default: 1 8 32 (qwen3-8b), 1 8 (qwen3-30b-a3b)")
     parser.add_argument("--taus", type=float, nargs="+", default=[1.5, 2.5, 3.5],
                         help="tau targets at the largest gamma, each in [1, that gamma + 1]")
@@ -248,8 +264,8 @@ def plan_of(parser: argparse.ArgumentParser, args) -> Plan:
                                ("--inner", args.inner, 1)):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
-    return Plan(args.model, batches, tuple(args.taus), tuple(gammas), args.prompt_len, args.new_tokens, args.reps,
-                args.inner)
+    return Plan(args.model, args.rows, batches, tuple(args.taus), tuple(gammas), args.prompt_len, args.new_tokens,
+                args.reps, args.inner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,14 +8,15 @@ size), draft id j being universe[j] (d2t). On it:
     scaled by EPSILON: a step reads and multiplies what a real one does, while the residual stream stays the
     current token's embedding e_x. Embedding rows of the universe are orthogonal (norm sqrt(D)) and the lm_head
     row of f(x) is e_x, so the argmax is f(x) with a margin of about D against 0, bf16 rounding included.
-  * g, the drafter's next token: g(x) = f(x) on a random fraction a of the universe, f(f(x)) elsewhere. The
-    drafter's hidden carries its own prediction as an orthogonal code c_t: fc maps the captured features
-    (each ~ e_x) to c_{f(x)}; the MLP is a lookup table over the codes (gate and up rows aligned with them, so
-    only the current code's unit fires; its down column turns c_t into c_{g(t)}); lm_head rows are the codes.
-    Attention outputs are scaled by EPSILON as in the target. Step k >= 2 feeds the carried hidden c_{d_k}
-    back, so d_{k+1} = g(d_k).
-A draft d_k (after an accepted chain) is accepted when g agrees with f at d_{k-1} (at x_n for d_1): each
-position independently with probability a, so tau(gamma) = (1 - a^(gamma + 1)) / (1 - a) (`expected_tau`).
+  * g, the drafter's next token: g(x) = f(x) on a random fraction a of the universe (of the positions along
+    f's cycle modulo a period: `World`), f(f(x)) elsewhere. The drafter's hidden carries its own prediction as
+    an orthogonal code c_t: fc maps the captured features (each ~ e_x) to c_{f(x)}; the MLP is a lookup table
+    over the codes (gate and up rows aligned with them, so only the current code's unit fires; its down column
+    turns c_t into c_{g(t)}); lm_head rows are the codes. Attention outputs are scaled by EPSILON as in the
+    target. Step k >= 2 feeds the carried hidden c_{d_k} back, so d_{k+1} = g(d_k).
+A draft d_k (after an accepted chain) is accepted when g agrees with f at d_{k-1} (at x_n for d_1): each position
+with probability a, independently (within a period), so tau(gamma) = (1 - a^(gamma + 1)) / (1 - a)
+(`expected_tau`).
 `World.continuation` gives the tokens greedy decoding must emit and `simulate` the accept lengths the engine must
 report for given prompts: the bench checks every run against them, and the tests' oracle is the same check.
 """
@@ -43,13 +44,17 @@ GATE = 8.0  # the lookup's gate pre-activation at the current code (silu(8) = 7.
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """The token universe and the target's successor map f, as indices into the universe; `rank` orders
-    the universe for the drafter's agreement set (the first round(a U) by rank agree), so the sets of two
-    acceptance rates are nested."""
+    """The token universe and the target's successor map f, as indices into the universe. Whether the drafter
+    agrees at a token depends on the token's position along f's cycle modulo `period`: the first round(a period)
+    of those residues by `rank` agree, so the agreement sets of two acceptance rates are nested. With period U
+    every row meets its own agreements; with a shorter period and prompts ending at positions that are
+    multiples of it (`prompts`), every row meets the same ones: rows in lockstep, whose rounds accept alike."""
 
     universe: np.ndarray  # [U] target ids, ascending; draft id j is universe[j]
     successor: np.ndarray  # [U] f: the target's next token after universe[i] is universe[successor[i]]
-    rank: np.ndarray  # [U] a permutation of range(U)
+    order: np.ndarray  # [U] the cycle: order[k + 1] = successor[order[k]]
+    period: int  # divides U
+    rank: np.ndarray  # [period] a permutation of range(period)
     seed: int
 
     @property
@@ -60,7 +65,9 @@ class World:
         """g as indices: f where the drafter agrees (a fraction a of the universe), f(f(x)) elsewhere."""
         if not 0.0 <= a <= 1.0:
             raise ValueError(f"acceptance a must be in [0, 1], got {a!r}")
-        agree = self.rank < round(a * self.size)
+        position = np.empty(self.size, np.int64)
+        position[self.order] = np.arange(self.size)
+        agree = self.rank[position % self.period] < round(a * self.period)
         return np.where(agree, self.successor, self.successor[self.successor])
 
     def continuation(self, prompt, count: int) -> list[int]:
@@ -72,9 +79,15 @@ class World:
         return out
 
     def prompts(self, count: int, length: int, seed: int = 0) -> list[list[int]]:
-        """`count` prompts of `length` universe tokens drawn uniformly."""
+        """`count` prompts of `length` universe tokens drawn uniformly; in lockstep (period < U) each ends at a
+        multiple of the period along the cycle, distinct ones while there are enough."""
         rng = np.random.default_rng(seed)
-        return self.universe[rng.integers(0, self.size, (count, length))].tolist()
+        rows = rng.integers(0, self.size, (count, length))
+        if self.period < self.size:
+            starts = self.size // self.period
+            picks = rng.permutation(starts)[:count] if count <= starts else rng.integers(0, starts, count)
+            rows[:, -1] = self.order[picks * self.period]
+        return self.universe[rows].tolist()
 
 
 def universe_size(cfg: Qwen3Config, dcfg: DrafterConfig) -> int:
@@ -83,13 +96,18 @@ def universe_size(cfg: Qwen3Config, dcfg: DrafterConfig) -> int:
     return min(cfg.hidden_size, dcfg.hidden_size, dcfg.draft_vocab_size, dcfg.intermediate_size, cfg.vocab_size)
 
 
-def make_world(cfg: Qwen3Config, dcfg: DrafterConfig, size: int | None = None, seed: int = 0) -> World:
-    """A universe of `size` tokens (None: `universe_size`) with a random cyclic f; refused where the pair
-    cannot hold it (a tied lm_head cannot differ from the embedding)."""
+def make_world(cfg: Qwen3Config, dcfg: DrafterConfig, size: int | None = None, seed: int = 0,
+               period: int | None = None) -> World:
+    """A universe of `size` tokens (None: `universe_size`) with a random cyclic f, its agreement pattern
+    repeating every `period` positions along the cycle (None: the universe's size, rows independent); refused
+    where the pair cannot hold it (a tied lm_head cannot differ from the embedding)."""
     most = universe_size(cfg, dcfg)
     size = most if size is None else size
     if not 2 <= size <= most:
         raise ValueError(f"universe size must be in [2, {most}] for these shapes, got {size}")
+    period = size if period is None else period
+    if period < 1 or size % period:
+        raise ValueError(f"the agreement period must divide the universe's size {size}, got {period}")
     if cfg.tie_word_embeddings:
         raise ValueError("a planted world needs an lm_head of its own: the target ties it to the embedding")
     if dcfg.target_hidden_size != cfg.hidden_size or dcfg.target_vocab_size != cfg.vocab_size:
@@ -99,7 +117,7 @@ def make_world(cfg: Qwen3Config, dcfg: DrafterConfig, size: int | None = None, s
     order = rng.permutation(size)
     successor = np.empty(size, np.int64)
     successor[order] = np.roll(order, -1)
-    return World(universe, successor, rng.permutation(size), seed)
+    return World(universe, successor, order, period, rng.permutation(period), seed)
 
 
 def expected_tau(a: float, gamma: int) -> float:
