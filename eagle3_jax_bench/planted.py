@@ -151,33 +151,43 @@ def measure(run: Run, w: Worlds, plan: Plan, batch: int, gamma: int) -> None:
         a = w.drafters[tau][0] if gamma else 0.0
         results, seconds, compiles, calls = timed_generate(engine(w, plan, batch, gamma, tau), prompts,
                                                            plan.new_tokens)
-        accepts = [r.accept_lengths for r in results]
-        rounds = [len(x) for x in accepts] if gamma else [plan.new_tokens - 1] * batch
-        measured = float(np.mean([x + 1 for row in accepts for x in row])) if gamma else 1.0
-        simulated = planted_world.simulate(w.world, a, prompts, plan.new_tokens, gamma)
-        tokens = sum(len(r.token_ids) for r in results)
-        decode_s = seconds - prefill_s
-        entry = {"batch": batch, "gamma": gamma, "tau_target": tau if gamma else None, "a": a, "tau": measured,
-                 "tau_expected": planted_world.expected_tau(a, gamma),
-                 "tau_simulated": float(np.mean([x + 1 for row in simulated for x in row])) if gamma else 1.0,
-                 "accepts_match_simulation": accepts == simulated,
-                 "tokens_follow_f": all(r.token_ids == w.world.continuation(p, plan.new_tokens)
-                                        for r, p in zip(results, prompts)), "tokens": tokens, "seconds": seconds,
-                 "prefill_s": prefill_s, "tokens_per_s": tokens / seconds,
-                 "decode_tokens_per_s": (tokens - batch) / decode_s, "round_ms": round_s * 1e3,
-                 "projected_tokens_per_s": batch * measured / round_s, "calls": calls,
-                 "device_rounds": calls * first.rounds_per_call, "rounds_per_row_mean": float(np.mean(rounds)),
-                 "rounds_per_row_max": max(rounds), "compilations": compiles, "round_compilations": round_compiles,
-                 "compile_s": compile_s}
-        entry["ratio"] = entry["tokens_per_s"] / entry["projected_tokens_per_s"]
-        entry["ratio_decode"] = entry["decode_tokens_per_s"] / entry["projected_tokens_per_s"]
-        # What the device ran beyond the rounds an average row needed, and the host's share of decode's time.
-        entry["rounds_needed_over_run"] = entry["rounds_per_row_mean"] / entry["device_rounds"]
-        entry["device_share_of_decode"] = entry["device_rounds"] * round_s / decode_s
+        entry = {"batch": batch, "gamma": gamma, "tau_target": tau if gamma else None, "a": a,
+                 **acceptance(w.world, plan, prompts, a, gamma, results), "seconds": seconds, "prefill_s": prefill_s,
+                 "round_ms": round_s * 1e3, "calls": calls, "device_rounds": calls * first.rounds_per_call,
+                 "compilations": compiles, "round_compilations": round_compiles, "compile_s": compile_s}
+        entry.update(speeds(entry))
         if spec_off is not None:
             entry["speedup"] = entry["tokens_per_s"] / spec_off["tokens_per_s"]
-            entry["speedup_projected"] = measured * spec_off["round_ms"] / entry["round_ms"]
+            entry["speedup_projected"] = entry["tau"] * spec_off["round_ms"] / entry["round_ms"]
         run.add("planted", entry, {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
+
+
+def acceptance(world: planted_world.World, plan: Plan, prompts, a: float, gamma: int, results) -> dict:
+    """A generate's tokens and tau against the world's: measured, expected, simulated; the rounds per row."""
+    accepts = [r.accept_lengths for r in results]
+    simulated = planted_world.simulate(world, a, prompts, plan.new_tokens, gamma)
+    rounds = [len(x) for x in accepts] if gamma else [plan.new_tokens - 1] * len(prompts)
+    return {"tau": float(np.mean([x + 1 for row in accepts for x in row])) if gamma else 1.0,
+            "tau_expected": planted_world.expected_tau(a, gamma),
+            "tau_simulated": float(np.mean([x + 1 for row in simulated for x in row])) if gamma else 1.0,
+            "accepts_match_simulation": accepts == simulated,
+            "tokens_follow_f": all(r.token_ids == world.continuation(p, plan.new_tokens)
+                                   for r, p in zip(results, prompts)),
+            "tokens": sum(len(r.token_ids) for r in results),
+            "rounds_per_row_mean": float(np.mean(rounds)), "rounds_per_row_max": max(rounds)}
+
+
+def speeds(e: dict) -> dict:
+    """Tokens/s whole and without prefill (its time and first tokens), each over the projection batch x tau /
+    round time; the rounds an average row needed over those the device ran (the slowest row's and the last
+    call's dead rounds), and the device's rounds' share of decode's wall time (the rest is the host's)."""
+    decode_s, round_s = e["seconds"] - e["prefill_s"], e["round_ms"] / 1e3
+    out = {"tokens_per_s": e["tokens"] / e["seconds"], "decode_tokens_per_s": (e["tokens"] - e["batch"]) / decode_s,
+           "projected_tokens_per_s": e["batch"] * e["tau"] / round_s}
+    return dict(out, ratio=out["tokens_per_s"] / out["projected_tokens_per_s"],
+                ratio_decode=out["decode_tokens_per_s"] / out["projected_tokens_per_s"],
+                rounds_needed_over_run=e["rounds_per_row_mean"] / e["device_rounds"],
+                device_share_of_decode=e["device_rounds"] * round_s / decode_s)
 
 
 def best_gammas(rows: list[dict], taus) -> list[dict]:
