@@ -24,6 +24,7 @@ report for given prompts: the bench checks every run against them, and the tests
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -194,22 +195,28 @@ def planted_target(cfg: Qwen3Config, world: World, dtype, epsilon: float = EPSIL
     return Target(cfg, params, None)
 
 
+@functools.partial(jax.jit, static_argnames=("chunks", "intermediate", "dtype"))
+def _lookup(E, C, f, g, *, chunks: int, intermediate: int, dtype):
+    """The drafter's fc and MLP: fc takes each of `chunks` captured features e_x to c_{f(x)} / chunks (their sum
+    is c_{f(x)}); the MLP's unit t fires at the code c_t alone and adds c_{g(t)} - c_t to the residual."""
+    (U, D), I = C.shape, intermediate
+    fc = jnp.tile(C[f].T @ E / E.shape[1] / chunks, (1, chunks))  # [D, chunks x target D]
+    gate_up = jnp.zeros((2 * I, D), jnp.float32).at[:U].set(GATE * C / D).at[I:I + U].set(C / D)
+    down = jnp.zeros((D, I), jnp.float32).at[:, :U].set((C[g] - C).T / jax.nn.silu(GATE))
+    return fc.astype(dtype), gate_up.astype(dtype), down.astype(dtype)
+
+
 def planted_drafter(dcfg: DrafterConfig, world: World, a: float, dtype, epsilon: float = EPSILON,
                     seed: int = 2) -> Drafter:
     """The drafter of the world agreeing with the target on a fraction a of the universe, built on the device."""
     g = world.drafter_successor(a)
     params = random_tree(drafter_lib.abstract_params(dcfg, dtype), seed=seed)
     params = jax.tree.map(lambda x: jnp.ones_like(x) if x.ndim == 1 and x.dtype != jnp.int32 else x, params)
-    U, D, I = world.size, dcfg.hidden_size, dcfg.intermediate_size
-    E, C = embedding_codes(world, dcfg.target_hidden_size), drafter_codes(world, D)
-    # fc: each captured chunk e_x -> c_{f(x)} / chunks, so their sum is c_{f(x)}.
-    to_code = C[world.successor].T @ E / dcfg.target_hidden_size  # [D, target D]
-    chunks = len(dcfg.capture_layers)
-    params["fc"] = jnp.tile(to_code / chunks, (1, chunks)).astype(dtype)
-    gate_up = jnp.zeros((2 * I, D), jnp.float32).at[:U].set(GATE * C / D).at[I:I + U].set(C / D)
-    params["w_gate_up"] = gate_up.astype(dtype)
-    down = (C[jnp.asarray(g)] - C).T / jax.nn.silu(GATE)  # unit t adds c_{g(t)} - c_t to the residual c_t
-    params["w_down"] = jnp.zeros((D, I), jnp.float32).at[:, :U].set(down).astype(dtype)
+    U = world.size
+    E, C = embedding_codes(world, dcfg.target_hidden_size), drafter_codes(world, dcfg.hidden_size)
+    params["fc"], params["w_gate_up"], params["w_down"] = _lookup(
+        E, C, jnp.asarray(world.successor), jnp.asarray(g), chunks=len(dcfg.capture_layers),
+        intermediate=dcfg.intermediate_size, dtype=jnp.dtype(dtype))
     params["wo"] = _quiet(params["wo"], epsilon)
     params["lm_head"] = _set_rows(params["lm_head"], jnp.arange(U), C)
     draft_ids = np.arange(dcfg.draft_vocab_size)
