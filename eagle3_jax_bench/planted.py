@@ -14,8 +14,8 @@ shapes, against the projection batch x tau / round time, the round timed in the 
 * per (batch, gamma): one Engine per world, max_batch = batch, every world's engine sharing one compilation,
   made by an untimed generate of the same prompts (two tokens each: exactly the prefill and call of rounds the
   timed run uses; Engine.compile would compile every admission shape a pool can run, four prefills at 32
-  slots). Then, timed: the prefill alone (a one-token generate) and, per world, the whole generate of
-  batch prompts of --prompt-len universe tokens, --new-tokens each, no stop ids.
+  slots). Then, timed: the prefill alone (the median of three one-token generates) and, per world, the whole
+  generate of batch prompts of --prompt-len universe tokens, --new-tokens each, no stop ids.
 * projection: the engine's own call of rounds (the executable the generate ran) timed on a random state at
   the run's mean KV length, per round: projected tokens/s = batch x tau / round time, tau measured.
 * per row: tokens/s (the whole generate) and decode tokens/s (prefill's time and token taken out), each over
@@ -144,7 +144,7 @@ def measure(run: Run, w: Worlds, plan: Plan, batch: int, gamma: int) -> None:
     start = time.perf_counter()
     first.generate(prompts, 2, progress=False)  # compiles this (batch, gamma)'s prefill and call of rounds
     compile_s = time.perf_counter() - start
-    _, prefill_s, _, _ = timed_generate(first, prompts, 1)
+    prefill_s = float(np.median([timed_generate(first, prompts, 1)[1] for _ in range(3)]))
     round_s, round_compiles = round_seconds(first, w, plan, batch)
     spec_off = {r["batch"]: r for r in run.results.get("planted", []) if r["gamma"] == 0}.get(batch)
     for tau in taus:
