@@ -68,6 +68,7 @@ class Plan:
     new_tokens: int
     reps: int  # round timing: samples of `inner` calls
     inner: int
+    rounds_per_call: int = engine_lib.ROUNDS_PER_CALL
 
     @property
     def max_len(self) -> int:
@@ -107,7 +108,7 @@ def build(run: Run, plan: Plan, dtype) -> Worlds:
 def engine(w: Worlds, plan: Plan, batch: int, gamma: int, tau: float) -> eagle3_jax.Engine:
     drafter = w.drafters[tau][1] if gamma else None
     return eagle3_jax.Engine(w.target, drafter, num_draft_tokens=max(gamma, 1), max_len=plan.max_len,
-                             max_batch=batch)
+                             max_batch=batch, rounds_per_call=plan.rounds_per_call)
 
 
 def timed_generate(eng: eagle3_jax.Engine, prompts, new_tokens: int):
@@ -254,6 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gammas", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rounds-per-call", type=int, default=engine_lib.ROUNDS_PER_CALL,
+                        help="the engines' rounds per device call (fewer: fewer rounds run after the rows are done)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=1e9, help="no new (batch, gamma) starts after this")
@@ -271,11 +274,11 @@ def plan_of(parser: argparse.ArgumentParser, args) -> Plan:
     batches = tuple(args.batches or BATCHES[args.model])
     for flag, value, least in (("--batches", min(batches), 1), ("--prompt-len", args.prompt_len, 1),
                                ("--new-tokens", args.new_tokens, 2), ("--reps", args.reps, 1),
-                               ("--inner", args.inner, 1)):
+                               ("--inner", args.inner, 1), ("--rounds-per-call", args.rounds_per_call, 1)):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
     return Plan(args.model, args.rows, batches, tuple(args.taus), tuple(gammas), args.prompt_len, args.new_tokens,
-                args.reps, args.inner)
+                args.reps, args.inner, args.rounds_per_call)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,11 +68,12 @@ def test_planted_bench_dry_run(tmp_path):
     """The bench at tiny shapes, float32, whose every run is checked against the world: the tokens are the target's
     f-chain and the accept lengths those `simulate` replays, for worlds of tau 1 (a = 0: no draft accepted), 2 and
     3 (a = 1: every draft, 1 + 8 x 3 new tokens filling whole rounds) at gamma 2. Nothing compiles in the timed
-    generates or the round timing; the best gamma per tau; and `bench --planted` runs it."""
+    generates or the round timing; the engines run 2 rounds per call as asked; the best gamma per tau; and
+    `bench --planted` runs it."""
     new = 25
     assert planted.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--taus", "1", "2", "3",
                          "--gammas", "0", "2", "--prompt-len", "12", "--new-tokens", str(new), "--reps", "1",
-                         "--inner", "1"]) == 0
+                         "--inner", "1", "--rounds-per-call", "2"]) == 0
     results = json.loads((tmp_path / "planted_bench.json").read_text())
     rows = results["planted"]
     assert [(r["gamma"], r["tau_target"]) for r in rows] == [(0, None), (2, 1.0), (2, 2.0), (2, 3.0)]
@@ -80,7 +81,7 @@ def test_planted_bench_dry_run(tmp_path):
         assert r["accepts_match_simulation"] and r["tokens_follow_f"] and planted.holds(r), r
         assert r["compilations"] == 0 and r["round_compilations"] == 0, r
         assert r["tokens"] == 2 * new and r["tokens_per_s"] > 0 and r["ratio"] > 0 and r["ratio_decode"] > 0
-        assert r["device_rounds"] == 4 * r["calls"] >= r["rounds_per_row_max"] == r["rounds_per_row_mean"]  # lockstep
+        assert r["device_rounds"] == 2 * r["calls"] >= r["rounds_per_row_max"] == r["rounds_per_row_mean"]  # lockstep
     assert [r["tau"] for r in (rows[0], rows[1], rows[3])] == [1.0, 1.0, 3.0]
     assert rows[0]["rounds_per_row_max"] == new - 1 and rows[3]["rounds_per_row_max"] == 8
     assert 1.0 < rows[2]["tau"] < 3.0 and all("speedup_projected" in r for r in rows[1:])
@@ -100,6 +101,7 @@ def test_planted_bench_dry_run(tmp_path):
     (["--gammas", "0"], "--gammas must be >= 0 with one >= 1, got [0]"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2, got 1"),
     (["--batches", "0"], "--batches must be >= 1, got 0"),
+    (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
 ])
 def test_planted_bench_refuses_bad_flags(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
