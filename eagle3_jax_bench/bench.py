@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import checks, dense, moe, planted, sampling
+from . import auto_gamma, checks, dense, moe, planted, sampling
 from .core import Run, versions
 
 
@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=("random", "local"), default=None,
                         help="MoE: the routing the experts section leads with (both are measured; the whole "
                              "steps route through random routers)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="only the round costs num_draft_tokens='auto' chooses from, at the model's shapes: "
+                             "measured (or loaded, if fresh) and printed (eagle3_jax_bench/auto_gamma.py)")
     parser.add_argument("--planted", action="store_true",
                         help="only end-to-end tokens/s on a planted-acceptance world against its projection, "
                              "and the best fixed gamma per batch (eagle3_jax_bench/planted.py, its defaults)")
@@ -128,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
+    if args.calibrate:
+        auto_gamma.calibrate_preset(("tiny-moe" if is_moe else "tiny") if tiny else args.model)
+        return 0
     if args.planted:
         model = ("tiny-moe" if is_moe else "tiny") if tiny else args.model
         return planted.main(["--model", model, "--out", args.out, "--budget-s", str(args.budget_s)])

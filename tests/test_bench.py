@@ -244,3 +244,27 @@ def test_pool_bench_dry_run(tmp_path):
     assert set(runs) == {"pool", "fixed_chunks"} and runs["pool"]["tokens"] == runs["fixed_chunks"]["tokens"] > 8
     assert all(r["compilations"] == 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in runs.values())
     assert results["steady"][0]["tokens_per_s"] > 0
+
+
+def test_auto_gamma_bench_and_calibration_dry_run(tmp_path, monkeypatch, capsys):
+    """eagle3_jax_bench/auto_gamma.py at the tiny preset: every engine runs and the comparisons are filled in;
+    the cost table `bench --calibrate` prints is the one the auto engine stored (speed is the GPU's to
+    measure)."""
+    from eagle3_jax.decoding import round_costs
+    from eagle3_jax_bench import auto_gamma
+
+    monkeypatch.setattr(round_costs, "default_folder", lambda: tmp_path / "costs")
+    monkeypatch.setattr(round_costs, "STALE_RATIO", 1e6)  # a shared CPU's timings wander: no re-measuring here
+    assert auto_gamma.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--max-gamma", "1",
+                            "--prompt-len", "4", "--max-new-tokens", "6", "--reps", "1"]) == 0
+    (row,) = json.loads((tmp_path / "auto_gamma.json").read_text())["rows"]
+    assert set(row["runs"]) == {"0", "1", "auto"} and row["auto_vs_spec_off"] > 0 and row["best_fixed_gamma"] in (0, 1)
+    assert all(r["tokens"] == 12 for r in row["runs"].values()) and sum(row["runs"]["auto"]["gammas_of_row_0"].values())
+    assert all(row["catch_up"][k] > 0 for k in ("hold_ms", "flush_ms", "spec_off_ms"))
+    (stored,) = (tmp_path / "costs").glob("*.json")
+    table = auto_gamma.calibrate(*auto_gamma.models("tiny"), (2,), 1, 4 + 6 + 1 + 2)  # the bench's max_len
+    assert table["seconds"][2] == [pytest.approx(s) for s in json.loads(stored.read_text())["seconds"]["2"]]
+    assert "batch    2 kv      1:" in capsys.readouterr().out
+    called = []
+    monkeypatch.setattr(auto_gamma, "calibrate_preset", called.append)
+    assert bench.main(["--tiny", "--calibrate"]) == 0 and called == ["tiny"]

@@ -1,5 +1,6 @@
 """Sampling through Engine.generate: the distribution of the first three tokens against an exact float64
-enumeration (chi-square, spec off and both proposal modes at gamma 1-3), the gate's power against two
+enumeration (chi-square, spec off and both proposal modes at gamma 1-3, and through a change of gamma under
+"auto"), the gate's power against two
 wrong samplers, rows that behave (greedy rows in mixed batches, seeds), the edges, bad settings, and no
 recompilation when settings change."""
 
@@ -129,6 +130,22 @@ def test_first_three_tokens_follow_the_exact_distribution(tiny, exact, gamma, pr
     samples = sample_first_three(make_engine(tiny, gamma, proposal, pool), settings, seed0=1000 * gamma)
     for s, tokens in zip(settings, samples):
         assert gate_p_value(tokens, exact[s]) > 1e-4, s
+
+
+def test_first_three_tokens_follow_the_exact_distribution_through_a_change_of_gamma(tiny, exact):
+    """num_draft_tokens="auto" with costs that make gamma 2 cheapest at the prompt's KV length and gamma 0
+    beyond it: the first call drafts 2, and a row that accepted no draft takes its third token from a plain
+    step (a gamma-0 call holding its pair back from the drafter). A fifth of the samples, for the suite's
+    time: the gate still rejects the "accept every draft" sampler of test_the_gate_rejects_wrong_samplers at
+    p < 1e-12 in such a configuration."""
+    _, target, drafter = tiny
+    n = N // 5
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=2, max_len=MAX_LEN,
+                               proposal="sample", rounds_per_call=1, max_batch=n, prefill_tokens=n * MAX_LEN,
+                               round_costs=lambda batch, length: [3, 2, 1] if length < 3.5 else [1, 2, 3])
+    results = engine.generate([PROMPT] * n, 3, temperature=PLAIN_07[0], seed=list(range(31, 31 + n)))
+    assert {tuple(r.gammas) for r in results} == {(2,), (2, 0)}
+    assert gate_p_value(np.array([r.token_ids for r in results]), exact[PLAIN_07]) > 1e-4
 
 
 @pytest.fixture
@@ -305,6 +322,6 @@ def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal)
             results = engine.generate(SIX, 16, **settings)
             transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
             calls = -(-max(len(r.accept_lengths) for r in results) // 4)
-            assert transfers == [(6, 2 * 3 + 4)] + [(4, 6, 2 * 3 + 4)] * calls
+            assert transfers == [(6, 2 * 3 + 6)] + [(4, 6, 2 * 3 + 6)] * calls
             assert [kind for kind, _ in engine.device_events].count("call") == calls
     assert compiles.count == 0
