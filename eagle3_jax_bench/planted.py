@@ -27,11 +27,15 @@ shapes, against the projection batch x tau / round time, the round timed in the 
   rest of the gap being the host's; compilations inside the timed generate (0).
 * best: the fastest fixed gamma per (batch, tau), measured and projected (gamma 0, spec-off, is in every tau's
   set).
+* --auto: per (batch, tau), also Engine(num_draft_tokens="auto", max_draft_tokens=G) after the fixed gammas:
+  tokens/s against the best fixed gamma, the gammas its rounds ran, its accept lengths against the simulation
+  along those gammas.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import time
 from pathlib import Path
@@ -69,6 +73,7 @@ class Plan:
     reps: int  # round timing: samples of `inner` calls
     inner: int
     rounds_per_call: int = engine_lib.ROUNDS_PER_CALL
+    auto: bool = False  # also num_draft_tokens="auto" (max_draft_tokens = the largest gamma) per batch
 
     @property
     def max_len(self) -> int:
@@ -163,13 +168,16 @@ def measure(run: Run, w: Worlds, plan: Plan, batch: int, gamma: int) -> None:
         run.add("planted", entry, {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
 
 
-def acceptance(world: planted_world.World, plan: Plan, prompts, a: float, gamma: int, results) -> dict:
-    """A generate's tokens and tau against the world's: measured, expected, simulated; the rounds per row."""
+def acceptance(world: planted_world.World, plan: Plan, prompts, a: float, gamma: int, results,
+               auto: bool = False) -> dict:
+    """A generate's tokens and tau against the world's: measured, expected (at fixed gamma), simulated (under
+    "auto", along the gammas each row's rounds ran); the rounds per row."""
     accepts = [r.accept_lengths for r in results]
-    simulated = planted_world.simulate(world, a, prompts, plan.new_tokens, gamma)
+    schedules = [r.gammas for r in results] if auto else None
+    simulated = planted_world.simulate(world, a, prompts, plan.new_tokens, gamma, schedules)
     rounds = [len(x) for x in accepts] if gamma else [plan.new_tokens - 1] * len(prompts)
-    return {"tau": float(np.mean([x + 1 for row in accepts for x in row])) if gamma else 1.0,
-            "tau_expected": planted_world.expected_tau(a, gamma),
+    expected = {} if auto else {"tau_expected": planted_world.expected_tau(a, gamma)}
+    return {"tau": float(np.mean([x + 1 for row in accepts for x in row])) if gamma else 1.0, **expected,
             "tau_simulated": float(np.mean([x + 1 for row in simulated for x in row])) if gamma else 1.0,
             "accepts_match_simulation": accepts == simulated,
             "tokens_follow_f": all(r.token_ids == world.continuation(p, plan.new_tokens)
@@ -189,6 +197,34 @@ def speeds(e: dict) -> dict:
                 ratio_decode=out["decode_tokens_per_s"] / out["projected_tokens_per_s"],
                 rounds_needed_over_run=e["rounds_per_row_mean"] / e["device_rounds"],
                 device_share_of_decode=e["device_rounds"] * round_s / decode_s)
+
+
+def measure_auto(run: Run, w: Worlds, plan: Plan, batch: int) -> None:
+    """Engine(num_draft_tokens="auto", max_draft_tokens=G) on every world at this batch, beside the best fixed
+    gamma measured before it: tokens/s, tau, and the gammas its rounds ran. Compiled and its round costs
+    measured (or loaded) by an untimed two-token generate and Engine.round_costs at this batch."""
+    prompts, G = w.world.prompts(batch, plan.prompt_len, seed=batch), max(plan.gammas)
+    fixed = [r for r in run.results.get("planted", []) if r["batch"] == batch]
+    for tau in plan.taus:
+        a, drafter = w.drafters[tau]
+        eng = eagle3_jax.Engine(w.target, drafter, num_draft_tokens="auto", max_draft_tokens=G, max_len=plan.max_len,
+                                max_batch=batch, rounds_per_call=plan.rounds_per_call)
+        start = time.perf_counter()
+        eng.generate(prompts, 2, progress=False)
+        eng.round_costs(batch, 0.0)
+        warm_s = time.perf_counter() - start
+        results, seconds, compiles, calls = timed_generate(eng, prompts, plan.new_tokens)
+        chosen = collections.Counter(g for r in results for g in r.gammas)
+        entry = {"batch": batch, "gamma": "auto", "tau_target": tau, "a": a,
+                 **acceptance(w.world, plan, prompts, a, G, results, auto=True), "seconds": seconds,
+                 "calls": calls, "compilations": compiles, "warm_s": warm_s,
+                 "rounds_by_gamma": {str(g): chosen[g] for g in eng.gammas}}
+        entry["tokens_per_s"] = entry["tokens"] / seconds
+        mine = [r for r in fixed if r["tau_target"] in (tau, None)]
+        if mine:
+            best = max(mine, key=lambda r: r["tokens_per_s"])
+            entry.update(best_fixed_gamma=best["gamma"], vs_best_fixed=entry["tokens_per_s"] / best["tokens_per_s"])
+        run.add("auto", entry, {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()})
 
 
 def best_gammas(rows: list[dict], taus) -> list[dict]:
@@ -213,6 +249,8 @@ def run_all(run: Run, plan: Plan, dtype) -> dict:
         for gamma in plan.gammas:
             if run.time_left(f"planted b{batch} g{gamma}"):
                 measure(run, w, plan, batch, gamma)
+        if plan.auto and run.time_left(f"auto b{batch}"):
+            measure_auto(run, w, plan, batch)
     run.record("best", best_gammas(run.results.get("planted", []), plan.taus))
     return run.results
 
@@ -237,6 +275,12 @@ def summary(results: dict) -> str:
     for b in results.get("best", []):
         lines.append(f"best fixed gamma, batch {b['batch']}, tau {b['tau_target']}: {b['best_gamma']} "
                      f"({b['tokens_per_s']:.1f} tok/s); projection's: {b['best_gamma_projected']}")
+    for r in results.get("auto", []):
+        beside = (f", {r['vs_best_fixed']:.3f}x the best fixed gamma ({r['best_fixed_gamma']})"
+                  if "vs_best_fixed" in r else "")
+        lines.append(f"auto, batch {r['batch']}, tau {r['tau_target']}: {r['tokens_per_s']:.1f} tok/s at tau "
+                     f"{r['tau']:.2f}{beside}; rounds by gamma {r['rounds_by_gamma']}; "
+                     f"{'as planted' if holds(r) else 'NOT as planted'}")
     if results["skipped"]:
         lines.append(f"skipped for time: {', '.join(results['skipped'])}")
     return "\n".join(lines)
@@ -257,6 +301,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds-per-call", type=int, default=engine_lib.ROUNDS_PER_CALL,
                         help="the engines' rounds per device call (fewer: fewer rounds run after the rows are done)")
+    parser.add_argument("--auto", action="store_true",
+                        help="also num_draft_tokens='auto' per (batch, tau), max_draft_tokens the largest gamma")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--inner", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=1e9, help="no new (batch, gamma) starts after this")
@@ -278,7 +324,7 @@ def plan_of(parser: argparse.ArgumentParser, args) -> Plan:
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
     return Plan(args.model, args.rows, batches, tuple(args.taus), tuple(gammas), args.prompt_len, args.new_tokens,
-                args.reps, args.inner, args.rounds_per_call)
+                args.reps, args.inner, args.rounds_per_call, args.auto)
 
 
 def main(argv: list[str] | None = None) -> int:

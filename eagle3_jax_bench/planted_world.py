@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -137,17 +138,22 @@ def solve_acceptance(tau: float, gamma: int) -> float:
     return (low + high) / 2
 
 
-def simulate(world: World, a: float, prompts, max_new: int, gamma: int) -> list[list[int]]:
-    """The accept lengths (Result.accept_lengths) greedy speculative decoding must give on this world: the
-    prefill emits f(last prompt token); a round from x accepts the run of positions along f where g agrees,
-    at most gamma, and emits one more; a round cut by max_new reports at most what it emitted."""
+def simulate(world: World, a: float, prompts, max_new: int, gamma: int, schedules=None) -> list[list[int]]:
+    """The accept lengths (Result.accept_lengths) greedy speculative decoding must give on this world, with room
+    in max_len: the prefill emits f(last prompt token); a round from x accepts the run of positions along f
+    where g agrees, at most its gamma, and emits one more; a round cut by max_new reports at most what it
+    emitted. Every round drafts `gamma` (0: spec-off, no rounds reported), or, with `schedules` (per prompt,
+    the gamma of each round: Result.gammas under "auto"), the gammas given."""
     f, g = world.successor, world.drafter_successor(a)
     out = []
-    for prompt in prompts:
+    for row, prompt in enumerate(prompts):
         x, left, accepts = f[np.searchsorted(world.universe, prompt[-1])], max_new - 1, []
-        while gamma and left > 0:
+        rounds = iter(schedules[row]) if schedules is not None else itertools.repeat(gamma) if gamma else iter(())
+        for most in rounds:
+            if left <= 0:
+                break
             accepted, y = 0, x
-            while accepted < gamma and g[y] == f[y]:
+            while accepted < most and g[y] == f[y]:
                 accepted, y = accepted + 1, f[y]
             emitted = min(accepted + 1, left)
             accepts.append(min(accepted, emitted))

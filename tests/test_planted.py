@@ -64,33 +64,40 @@ def test_world_refuses_what_it_cannot_plant():
         planted_world.solve_acceptance(3.5, 2)
 
 
-def test_planted_bench_dry_run(tmp_path):
+def test_planted_bench_dry_run(tmp_path, monkeypatch):
     """The bench at tiny shapes, float32, whose every run is checked against the world: the tokens are the target's
-    f-chain and the accept lengths those `simulate` replays, for worlds of tau 1 (a = 0: no draft accepted), 2 and
-    3 (a = 1: every draft, 1 + 8 x 3 new tokens filling whole rounds) at gamma 2. Nothing compiles in the timed
-    generates or the round timing; the engines run 2 rounds per call as asked; the best gamma per tau; and
-    `bench --planted` runs it."""
+    f-chain and the accept lengths those `simulate` replays, for worlds of tau 1 (a = 0: no draft accepted), 1.5
+    and 2 (a = 1: every draft, 1 + 12 x 2 new tokens filling whole rounds) at gamma 1, and under "auto" along
+    the gammas its rounds ran. Nothing compiles in the timed generates or the round timing; the engines run 2
+    rounds per call as asked; the best gamma per tau; and `bench --planted` runs it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # auto's round costs: measured here, kept here
     new = 25
-    assert planted.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--taus", "1", "2", "3",
-                         "--gammas", "0", "2", "--prompt-len", "12", "--new-tokens", str(new), "--reps", "1",
-                         "--inner", "1", "--rounds-per-call", "2"]) == 0
+    assert planted.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--taus", "1", "1.5", "2",
+                         "--gammas", "0", "1", "--prompt-len", "12", "--new-tokens", str(new), "--reps", "1",
+                         "--inner", "1", "--rounds-per-call", "2", "--auto"]) == 0
     results = json.loads((tmp_path / "planted_bench.json").read_text())
-    rows = results["planted"]
-    assert [(r["gamma"], r["tau_target"]) for r in rows] == [(0, None), (2, 1.0), (2, 2.0), (2, 3.0)]
-    for r in rows:
+    rows, auto = results["planted"], results["auto"]
+    assert [(r["gamma"], r["tau_target"]) for r in rows] == [(0, None), (1, 1.0), (1, 1.5), (1, 2.0)]
+    assert [(r["gamma"], r["tau_target"]) for r in auto] == [("auto", 1.0), ("auto", 1.5), ("auto", 2.0)]
+    for r in rows + auto:
         assert r["accepts_match_simulation"] and r["tokens_follow_f"] and planted.holds(r), r
-        assert r["compilations"] == 0 and r["round_compilations"] == 0, r
-        assert r["tokens"] == 2 * new and r["tokens_per_s"] > 0 and r["ratio"] > 0 and r["ratio_decode"] > 0
-        assert r["device_rounds"] == 2 * r["calls"] >= r["rounds_per_row_max"] == r["rounds_per_row_mean"]  # lockstep
-    assert [r["tau"] for r in (rows[0], rows[1], rows[3])] == [1.0, 1.0, 3.0]
-    assert rows[0]["rounds_per_row_max"] == new - 1 and rows[3]["rounds_per_row_max"] == 8
-    assert 1.0 < rows[2]["tau"] < 3.0 and all("speedup_projected" in r for r in rows[1:])
-    assert rows[2]["tau_expected"] == pytest.approx(planted_world.expected_tau(rows[2]["a"], 2))
+        assert r["compilations"] == 0 and r["tokens"] == 2 * new and r["tokens_per_s"] > 0, r
+        assert 2 * r["calls"] >= r["rounds_per_row_max"] == r["rounds_per_row_mean"]  # lockstep
+    for r in rows:
+        assert r["round_compilations"] == 0 and r["ratio"] > 0 and r["ratio_decode"] > 0
+        assert r["device_rounds"] == 2 * r["calls"]
+    assert [r["tau"] for r in (rows[0], rows[1], rows[3])] == [1.0, 1.0, 2.0]
+    assert rows[0]["rounds_per_row_max"] == new - 1 and rows[3]["rounds_per_row_max"] == 12
+    assert 1.0 < rows[2]["tau"] < 2.0 and all("speedup_projected" in r for r in rows[1:])
+    assert rows[2]["tau_expected"] == pytest.approx(planted_world.expected_tau(rows[2]["a"], 1))
     assert results["world"]["rows"] == "lockstep" and results["world"]["period"] == 32
-    assert results["world"]["acceptance"]["2.0"] == pytest.approx(planted_world.solve_acceptance(2.0, 2))
-    assert [(b["batch"], b["tau_target"]) for b in results["best"]] == [(2, 1.0), (2, 2.0), (2, 3.0)]
-    assert all(b["best_gamma"] in (0, 2) for b in results["best"])
-    assert "best fixed gamma, batch 2, tau 3.0" in planted.summary(results)
+    assert results["world"]["acceptance"]["1.5"] == pytest.approx(planted_world.solve_acceptance(1.5, 1))
+    assert [(b["batch"], b["tau_target"]) for b in results["best"]] == [(2, 1.0), (2, 1.5), (2, 2.0)]
+    assert all(b["best_gamma"] in (0, 1) for b in results["best"])
+    for r in auto:
+        assert sum(r["rounds_by_gamma"].values()) == 2 * r["rounds_per_row_mean"] and r["best_fixed_gamma"] in (0, 1)
+    text = planted.summary(results)
+    assert "best fixed gamma, batch 2, tau 2.0" in text and "auto, batch 2, tau 2.0" in text
     assert bench.main(["--tiny", "--planted", "--out", str(tmp_path / "bench"), "--budget-s", "0"]) == 0
     skipped = json.loads((tmp_path / "bench" / "planted_bench.json").read_text())["skipped"]
     assert skipped[0] == "planted b1 g0" and len(skipped) == 2 * 5
