@@ -111,6 +111,7 @@ def build(run: Run, plan: Plan, dtype) -> Worlds:
 
 
 def engine(w: Worlds, plan: Plan, batch: int, gamma: int, tau: float) -> eagle3_jax.Engine:
+    """A fixed-gamma engine on the world of `tau` (gamma 0: the target alone), its pool `batch` slots."""
     drafter = w.drafters[tau][1] if gamma else None
     return eagle3_jax.Engine(w.target, drafter, num_draft_tokens=max(gamma, 1), max_len=plan.max_len,
                              max_batch=batch, rounds_per_call=plan.rounds_per_call)
