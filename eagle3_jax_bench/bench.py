@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import auto_gamma, checks, dense, moe, sampling
+from . import auto_gamma, checks, dense, moe, planted, sampling
 from .core import Run, versions
 
 
@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                              "measured (or loaded, if fresh) and printed (eagle3_jax_bench/auto_gamma.py)")
     parser.add_argument("--steps-only", action="store_true",
                         help="MoE: only the ceilings, the routing and the whole target's decode and verify steps")
+    parser.add_argument("--planted", action="store_true",
+                        help="only end-to-end tokens/s on a planted-acceptance world against its projection, "
+                             "and the best fixed gamma per batch (eagle3_jax_bench/planted.py, its defaults)")
     return parser
 
 
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         auto_gamma.calibrate_preset(("tiny-moe" if is_moe else "tiny") if tiny else args.model)
         return 0
+    if args.planted:
+        model = ("tiny-moe" if is_moe else "tiny") if tiny else args.model
+        return planted.main(["--model", model, "--out", args.out, "--budget-s", str(args.budget_s)])
     on_gpu = jax.default_backend() == "gpu"
     kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if on_gpu else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
