@@ -25,6 +25,16 @@ def _parse_ids(text: str) -> list[int]:
             f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
+def _num_draft_tokens(text: str):
+    """--num-draft-tokens: an int, or "auto" (the engine picks gamma per call)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-draft-tokens must be an int or 'auto', got {text!r}") from None
+
+
 def _use_compile_cache(folder: str | None) -> None:
     """JAX's persistent compilation cache in `folder` (None: off), so that a second run of the same command
     loads its compiled programs instead of compiling them again."""
@@ -80,6 +90,12 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _generate(args) -> int:
+    if args.num_draft_tokens == "auto" and not args.drafter:
+        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
+    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
+        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
+    if args.num_draft_tokens == "auto" and args.tp != 1:
+        raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
     import jax
 
     import eagle3_jax
@@ -99,7 +115,7 @@ def _generate(args) -> int:
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
-                               exact=args.exact, mesh=mesh)
+                               exact=args.exact, max_draft_tokens=args.max_draft_tokens, mesh=mesh)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
@@ -119,8 +135,11 @@ def _generate(args) -> int:
         tau = sum(a + 1 for a in result.accept_lengths) / len(result.accept_lengths)
         print(f"tau (mean tokens per round) = {tau:.3f} over {len(result.accept_lengths)} rounds")
         counts = collections.Counter(result.accept_lengths)
-        for a in range(args.num_draft_tokens + 1):
+        for a in range(engine.num_draft_tokens + 1):
             print(f"  accepted {a}: {counts.get(a, 0):5d} {'#' * counts.get(a, 0)}")
+        if engine.auto:
+            used = collections.Counter(result.gammas)
+            print("gamma per round: " + ", ".join(f"{g}: {used[g]}" for g in engine.gammas))
     return 0
 
 
@@ -199,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--proposal", choices=PROPOSALS, default=DEFAULT_PROPOSAL,
                      help="how the drafter proposes for a sampled row (see eagle3_jax.Engine)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--num-draft-tokens", type=int, default=3)
+    gen.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
+                     help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
+    gen.add_argument("--max-draft-tokens", type=int,
+                     help="with --num-draft-tokens auto: the largest gamma it may pick (default 3)")
     gen.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import checks, dense, moe, sampling
+from . import auto_gamma, checks, dense, moe, planted, sampling
 from .core import Run, versions
 
 
@@ -113,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--experts-only", action="store_true",
                         help="MoE: only the ceilings, one decoder layer's ops and the expert paths, on the "
                              "experts section's layers alone")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="only the round costs num_draft_tokens='auto' chooses from, at the model's shapes: "
+                             "measured (or loaded, if fresh) and printed (eagle3_jax_bench/auto_gamma.py)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="MoE: only the ceilings, the routing and the whole target's decode and verify steps")
+    parser.add_argument("--planted", action="store_true",
+                        help="only end-to-end tokens/s on a planted-acceptance world against its projection, "
+                             "and the best fixed gamma per batch (eagle3_jax_bench/planted.py, its defaults)")
     return parser
 
 
@@ -124,12 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds_per_call < 1:
         parser.error(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
     is_moe = args.model == "qwen3-30b-a3b"
-    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only)):
+    for flag, given in (("--routing", args.routing is not None), ("--experts-only", args.experts_only),
+                        ("--steps-only", args.steps_only)):
         if given and not is_moe:
             parser.error(f"{flag} is for --model qwen3-30b-a3b")
+    if args.experts_only and args.steps_only:
+        parser.error("--experts-only and --steps-only are two runs: give one")
     if is_moe and args.kernels is not None and len(args.kernels) > 1:
         parser.error("--model qwen3-30b-a3b measures one --kernels choice")
     tiny = args.tiny or jax.default_backend() == "cpu"
+    if args.calibrate:
+        auto_gamma.calibrate_preset(("tiny-moe" if is_moe else "tiny") if tiny else args.model)
+        return 0
+    if args.planted:
+        model = ("tiny-moe" if is_moe else "tiny") if tiny else args.model
+        return planted.main(["--model", model, "--out", args.out, "--budget-s", str(args.budget_s)])
     on_gpu = jax.default_backend() == "gpu"
     kernels = tuple(args.kernels or (["pallas", "pallas_attention", "xla"] if on_gpu else ["xla"]))
     # bf16 as served on the GPU; float32 on the CPU, whose XLA lacks some bf16 dot kernels.
@@ -142,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             moe.experts_only(run, plan, kernels[0], dtype, args.routing or "random")
             return _finish(run, moe.summary(run.results))
         s = dense.setup(run, plan.base, kernels[:1], dtype, rounds_per_call=args.rounds_per_call)
+        if args.steps_only:
+            moe.steps_only(run, s)
+            return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
         moe.run_all(run, s, plan, args.routing or "random")
         return _finish(run, summary(run.results) + "\n" + moe.summary(run.results))
     plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
@@ -150,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement_only:
         checks.agreement(run, s.target, s.drafter, kernels, gamma=3, new_tokens=96)
     elif args.sampling_only:
-        # Fewer timed calls than the other sections: 30 measurements and 15 compilations in one run.
+        # Fewer timed calls than the other sections: 24 rounds and 24 parts, each compiled once, in one run.
         s = dataclasses.replace(s, plan=dataclasses.replace(plan, reps=7, inner=5))
         for batch in plan.batches:
             for gamma in (0, 3):

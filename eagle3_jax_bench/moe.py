@@ -11,15 +11,17 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   the routing section), KV; over the copy rate measured in the same run.
 * projection: tokens/s against spec-off at SpecBundle's published tau (2.5 at gamma 3), other gammas by
   an i.i.d. acceptance model fitted to it; the best gamma per batch.
-* experts: the MoE layers alone (the plan's first ffn_layers of them), every expert
-  path at 1 to 32 tokens, on random routing and on synthetic local routing (`--routing` says which is
-  timed first; both are measured). Floor: the distinct experts' bytes and the routers' over the copy rate.
+* experts: the MoE layers alone (the plan's first ffn_layers of them): the expert kernel at 1 to 64 tokens,
+  then the other paths and the kernel's other tunings at 8, 64 and 1 (_expert_paths' order), on random
+  routing and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
+  distinct experts' bytes and the routers' over the copy rate.
+`--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
+alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only).
 On the CPU it runs the same code at tiny shapes (a smoke test).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -46,13 +48,17 @@ LOCAL_ZIPF = 1.0  # ... and the per-layer expert popularity of the other choices
 class MoePlan:
     base: dense.Plan
     ffn_layers: int  # MoE layers in the experts section
-    ffn_tokens: tuple[int, ...]
+    ffn_tokens: tuple[int, ...]  # the kernel's token counts there (its defaults), in the order they are timed
+    others_tokens: tuple[int, ...] | None = None  # the other paths' and tunings' (None: ffn_tokens)
 
 
 def qwen3_30b_a3b_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("qwen3-30b-a3b"), batches=(1, 8), kv_lengths=(1024,), spec_batches=(1, 8),
                       spec_kv_length=1024, gammas=(1, 2, 3), reps=10, inner=5, copy_bytes=4 << 30, matmul_n=8192)
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64))
+    # The other paths and tunings at 8 tokens (batch 8 decode), 64 (past the kernel's threshold) and 1 (batch 1
+    # decode) only: an H200 timed the paths at 1 to 32 (models/moe.py's docstring), tokamax compiles for 13 to
+    # 20 s a count, and the budget is one call's.
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64, 1))
 
 
 def tiny_plan() -> MoePlan:
@@ -123,37 +129,18 @@ def _import_tokamax() -> tuple[object | None, str]:
 
 
 def tokamax_paths() -> dict:
-    """tokamax's grouped GEMMs as expert paths, on [E, in, out] weights (the only layout its Triton and
-    Mosaic GPU kernels take); {} when tokamax cannot be imported."""
+    """tokamax's Mosaic GPU grouped GEMM as an expert path, on [E, in, out] weights (the only layout it takes);
+    {} when tokamax cannot be imported. (Its Triton implementation needs the triton package, which jax's
+    GPU wheels do not bring: tokamax 0.0.17 reports it as an unknown implementation.)"""
     tokamax, _ = _import_tokamax()
     if tokamax is None:
         return {}
-
-    def run(impl):
-        dot = functools.partial(tokamax.ragged_dot, implementation=impl)
-        return functools.partial(moe.experts_grouped, ragged_dot=lambda lhs, w, sizes: dot(lhs, w, sizes))
-
-    return {f"tokamax_{impl}": run(impl) for impl in ("mosaic", "triton")}
+    dot = functools.partial(tokamax.ragged_dot, implementation="mosaic")
+    return {"tokamax_mosaic": functools.partial(moe.experts_grouped, ragged_dot=dot)}
 
 
 def _lax_in_out(lhs, w, sizes):
     return jax.lax.ragged_dot(lhs, w, sizes)
-
-
-# lax.ragged_dot's own Pallas (Triton) lowering on the GPU, off by default in JAX: XLA's ragged dot measured
-# near the cost of reading every expert at one token (a probe of 8 layers: 15.9 ms against a 13.8 ms
-# all-experts floor), so this is timed as the alternative.
-PALLAS_LOWERING_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
-
-
-@contextlib.contextmanager
-def jax_config(name: str, value):
-    previous = getattr(jax.config, name)
-    jax.config.update(name, value)
-    try:
-        yield
-    finally:
-        jax.config.update(name, previous)
 
 
 def routing(run: Run, s: dense.Setup) -> np.ndarray:
@@ -191,49 +178,56 @@ def routed_setup(s: dense.Setup, distinct: np.ndarray) -> dense.Setup:
     return dataclasses.replace(s, target_read=target_read)
 
 
-# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed beside its defaults.
-KERNEL_TUNINGS = {"kernel_i64_d32": {"block_i": 64, "block_d": 32}, "kernel_k128_s4": {"block_k": 128, "num_stages": 4}}
+# Other tunings of the expert kernel (pallas_kernels.ExpertsConfig fields), timed after its defaults ("kernel").
+KERNEL_TUNINGS = {
+    "kernel_g16": {"down_groups": 16},
+    "kernel_g64": {"down_groups": 64},  # one slot a group to 8 tokens (partial sums: 4 MiB at 8, 32 MiB at 64)
+    "kernel_i16": {"block_i": 16},  # twice the gate/up programs
+    "kernel_d32_g16": {"block_d": 32, "down_groups": 16},  # wider down blocks, as many programs as the default
+    "kernel_g1": {"down_groups": 1},  # the down stage's sum over experts in one program (no partial sums)
+}
 
 
-def _expert_paths() -> tuple[dict, dict]:
-    """({name: path} on the [E, out, in] weights, {name: path} on [E, in, out] copies)."""
-    paths = dict(moe.PATHS)  # gathered, grouped, and the expert kernel (interpreted off the GPU)
-    if jax.default_backend() == "gpu":
+def _expert_paths() -> tuple[dict, set]:
+    """({name: path} in the order they are timed, so that a short budget keeps the first: the kernel, the
+    XLA paths it is chosen over, the kernel's other tunings, tokamax's grouped GEMM, lax.ragged_dot on an
+    [E, in, out] copy; the names that take [E, in, out] copies of the weights)."""
+    swapped = {**tokamax_paths(), "grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out)}
+    paths = {"kernel": moe.experts_kernel, "grouped": moe.experts_grouped, "gathered": moe.experts_gathered}
+    if jax.default_backend() == "gpu":  # the kernel's tunings: interpreted off the GPU, only the defaults
         paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
-    extra = {"grouped_in_out": functools.partial(moe.experts_grouped, ragged_dot=_lax_in_out), **tokamax_paths()}
-    if jax.default_backend() == "gpu" and hasattr(jax.config, PALLAS_LOWERING_FLAG):
-        extra["grouped_in_out_pallas_lowering"] = extra["grouped_in_out"]
-    return paths, extra
+    return {**paths, **swapped}, set(swapped)
 
 
 def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) -> None:
-    """The MoE layers alone: every path at every token count of the plan, compiled once and timed on each
-    routing, against the distinct experts' bytes and the routers' over the copy rate."""
+    """The MoE layers alone: the kernel at the plan's ffn_tokens, the other paths and tunings at its
+    others_tokens (path by path, in _expert_paths' order), each compiled once and timed on each routing,
+    against the distinct experts' bytes and the routers' over the copy rate."""
     cfg = s.plan.target
     sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)][: plan.ffn_layers]
     layers = [s.tparams["layers"][i] for i in sparse]
-    paths, extra = _expert_paths()
-    # [E, in, out] copies for the paths that need that layout (tokamax's kernels, lax.ragged_dot's default)
+    paths, in_out = _expert_paths()
+    # [E, in, out] copies for the paths that need that layout (tokamax's kernel, lax.ragged_dot's default)
     swapped = [{k: jnp.swapaxes(layer[k], 1, 2) for k in ("w_gate_up", "w_down")} for layer in layers]
     itemsize, E, k = jnp.dtype(s.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
     routers = steps.nbytes([w["router"] for w in layers])
-    for tokens in plan.ffn_tokens:
-        ids = {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
-        weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
-        x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
-        for name, path in {**paths, **extra}.items():
+    others = plan.ffn_tokens if plan.others_tokens is None else plan.others_tokens
+    ids = {tokens: {r: synthetic_routing(r, len(layers), 1, tokens, E, k, seed=tokens) for r in routings}
+           for tokens in set(plan.ffn_tokens) | set(others)}
+    for name, path in paths.items():
+        stack = swapped if name in in_out else layers
+        for tokens in plan.ffn_tokens if name == "kernel" else others:
             if not run.time_left(f"experts t{tokens} {name}"):
                 return
-            stack = swapped if name in extra else layers
-            flag = name.endswith("_pallas_lowering")
+            weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
+            x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
             try:
                 step = steps.jit_step(_ffn_stack, 4, path=path)
-                with jax_config(PALLAS_LOWERING_FLAG, True) if flag else contextlib.nullcontext():
-                    compiled, compile_s = compile_timed(step, stack, jnp.asarray(ids[routings[0]]), weights, x)
+                compiled, compile_s = compile_timed(step, stack, jnp.asarray(ids[tokens][routings[0]]), weights, x)
             except Exception as e:  # a library kernel refusing a shape or a layout: recorded, not fatal
                 run.add("experts", {"tokens": tokens, "path": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
-            for routing_name, routed in ids.items():
+            for routing_name, routed in ids[tokens].items():
                 distinct = distinct_per_layer(routed)
                 read = int(distinct.sum()) * expert_bytes(cfg, itemsize) + routers
                 seconds, x = time_chain(compiled, x, (stack, jnp.asarray(routed), weights), s.plan.reps,
@@ -279,6 +273,27 @@ def projection(run: Run, s: dense.Setup) -> None:
                               f"{PUBLISHED_TAU[0]}", **out})
 
 
+def steps_only(run: Run, s: dense.Setup) -> dict:
+    """`--steps-only`: the ceilings, the routing, then the whole target's decode steps (the plan's batches)
+    and verify steps of gamma + 1 tokens (largest gamma first, the plan's spec batches) on the routed
+    floors, with the expert path each step's token count takes: the path choice timed in the steps it
+    serves, without the drafter's rows or the experts section."""
+    kernels = s.kernels[0]
+    run.results["routing_used"] = {"steps": "random routers"}
+    run.ceilings(s.plan.copy_bytes, s.plan.matmul_n)
+    s = routed_setup(s, routing(run, s))
+    counts = sorted({b for b in s.plan.batches} | {b * (g + 1) for b in s.plan.spec_batches for g in s.plan.gammas})
+    run.results["expert_path_by_tokens"] = {t: moe.choose_path(t, s.dtype, kernels) for t in counts}
+    for batch in s.plan.batches:
+        if run.time_left(f"decode b{batch}"):
+            dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels)
+    for gamma in sorted(s.plan.gammas, reverse=True):
+        for batch in s.plan.spec_batches:
+            if run.time_left(f"verify b{batch} t{gamma + 1}"):
+                dense.verify(run, s, batch, gamma + 1, kernels)
+    return run.results
+
+
 def run_all(run: Run, s: dense.Setup, plan: MoePlan, routing_first: str) -> dict:
     """Ceilings, routing, decode, every (batch, gamma) set on the routed floors, the projection, then the
     experts section on both routings, `routing_first` first."""
@@ -305,6 +320,8 @@ def summary(results: dict) -> str:
                      + json.dumps(results["routing"]["mean_distinct_experts_per_layer"]))
     lines.append(f"routing used: {json.dumps(results.get('routing_used', {}))}; local = synthetic (reuse "
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
+    if "expert_path_by_tokens" in results:
+        lines.append(f"expert path by tokens per step: {json.dumps(results['expert_path_by_tokens'])}")
     for r in results.get("layer_ops", []):
         if "error" in r:
             lines.append(f"layer op {r['op']:18s} not run: {r['error'][:100]}")

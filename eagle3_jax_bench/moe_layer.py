@@ -6,9 +6,10 @@ the router with the experts (moe_mlp), the whole layer, and the final norm with 
 Each row against the bytes it must read over the copy rate. The op rows summed against the layer row show
 what launches between them cost; on the GPU the kernels of the PROFILED ops (jax.profiler) name what runs.
 
-The router row adds its weights' sum (scaled) to the state to chain; the experts row takes routing fixed
-ahead (k distinct random experts); attention writes into a cache that is not donated (XLA copies it, a few
-MB per layer at KV 1024, where the step updates its cache in place).
+The router rows (top-k by ranks as the model routes, and by lax.top_k's sort: moe.route's `select`) add
+their weights' sum (scaled) to the state to chain; the experts row takes routing fixed ahead (k distinct
+random experts); attention writes into a cache that is not donated (XLA copies it, a few MB per layer at
+KV 1024, where the step updates its cache in place).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .inputs import normal, random_cache
 
 REPEAT = 4
 KV_LENGTH = 1024
-PROFILED = ("experts", "moe_mlp", "layer")  # ops whose GPU kernels are listed (which kernel costs what)
+# ops whose GPU kernels are listed (which kernel costs what)
+PROFILED = ("router_topk", "router_topk_sort", "experts", "moe_mlp", "layer")
 
 
 def _chain(per_layer, x, *, op, repeat):
@@ -46,9 +48,12 @@ def _ops(cfg, kernels: str, path: str) -> dict:
     def attention(a, x):
         return target_lib._attention(a["layer"], cfg, x, a["cos"], a["sin"], a["k"], a["v"], a["start"], kernels)[0]
 
-    def router_topk(a, x):
-        weights, _ = moe.route(x.reshape(1, -1), a["layer"]["router"], k, cfg.moe.norm_topk_prob)
-        return x + (jnp.sum(weights) * 1e-3).astype(x.dtype)
+    def router_topk(select):
+        def op(a, x):
+            weights, _ = moe.route(x.reshape(1, -1), a["layer"]["router"], k, cfg.moe.norm_topk_prob, select)
+            return x + (jnp.sum(weights) * 1e-3).astype(x.dtype)
+
+        return op
 
     def experts(a, x):
         y = moe.PATHS[path](x.reshape(1, -1), a["weights"], a["ids"], a["layer"]["w_gate_up"], a["layer"]["w_down"])
@@ -62,7 +67,8 @@ def _ops(cfg, kernels: str, path: str) -> dict:
         x, normed = add_rms_norm(x, attention(a, normed), a["layer"]["mlp_norm"], eps, kernels)
         return x + moe.moe_mlp(normed, a["layer"], cfg.moe, kernels=kernels)[0]
 
-    return {"norm": norm, "attention": attention, "router_topk": router_topk, "experts": experts,
+    return {"norm": norm, "attention": attention, "router_topk": router_topk("rank"),
+            "router_topk_sort": router_topk("sort"), "experts": experts,
             "moe_mlp": moe_mlp, "layer": layer}
 
 
@@ -73,7 +79,7 @@ def _reads(layer: dict, cfg, itemsize: int) -> dict:
     attention = steps.nbytes([layer[n] for n in ("wqkv", "wo", "q_norm", "k_norm")]) + kv
     router = steps.nbytes(layer["router"])
     norm = steps.nbytes(layer["mlp_norm"])
-    return {"norm": norm, "attention": attention, "router_topk": router, "experts": expert,
+    return {"norm": norm, "attention": attention, "router_topk": router, "router_topk_sort": router, "experts": expert,
             "moe_mlp": router + expert, "layer": 2 * norm + attention + router + expert}
 
 

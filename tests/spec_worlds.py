@@ -8,6 +8,9 @@
 * constant world: a target whose logits are all zero (argmax 0) and a drafter that always drafts 0:
   every draft is accepted.
 * random world: random weights on both sides.
+* arc drafter (permutation world): predicts pi^2 of the captured token on the first half of the cycle
+  (`ARC`; right) and pi^1 elsewhere (never right), so text walking the cycle alternates between stretches
+  where the drafter is good and stretches where it is useless: the best gamma changes mid-request.
 Drafters are written in SpecForge's real layout by tests/drafter_oracle.py and loaded through the
 public API.
 """
@@ -34,6 +37,8 @@ def _cycle(seed: int) -> np.ndarray:
 
 
 PI = _cycle(0)
+ORDER = np.random.default_rng(0).permutation(V)  # the cycle's order: PI[ORDER[i]] = ORDER[i + 1]
+ARC = set(ORDER[: V // 2].tolist())  # where the arc drafter is right
 
 
 def power(k: int) -> np.ndarray:
@@ -79,7 +84,8 @@ RANDOM2_SPEC = oracle.DraftSpec(hidden_size=D, intermediate_size=40, num_heads=2
 
 
 def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
-    """kind: "random", "constant" (always drafts 0) or "pi2" / "pi1" / "pi3" (predicts pi^k(x_t))."""
+    """kind: "random", "constant" (always drafts 0), "pi2" / "pi1" / "pi3" (predicts pi^k(x_t)) or "arc"
+    (pi^2 on ARC, pi^1 elsewhere)."""
     if kind == "random":
         return RANDOM_SPEC, oracle.random_drafter_state(RANDOM_SPEC, seed)
     if kind == "random2":
@@ -91,7 +97,10 @@ def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
     fc[:, :D] = torch.eye(D)  # h = the low feature = one-hot of the captured token x_t
     state["fc.weight"] = fc
     head = torch.zeros(V, D)
-    if kind != "constant":
+    if kind == "arc":
+        on_arc = np.isin(np.arange(V), list(ARC))
+        head[torch.as_tensor(np.where(on_arc, power(2), power(1))), torch.arange(V)] = 1.0
+    elif kind != "constant":
         head[torch.as_tensor(power(int(kind[2:]))), torch.arange(V)] = 1.0
     state["lm_head.weight"] = head
     state["norm.weight"] = 0.5 + torch.rand(D, generator=torch.Generator().manual_seed(seed))

@@ -37,6 +37,8 @@ def test_bench_smoke(tmp_path):
     (["--rounds-per-call", "0"], "--rounds-per-call must be >= 1, got 0"),
     (["--routing", "local"], "--routing is for --model qwen3-30b-a3b"),
     (["--experts-only"], "--experts-only is for --model qwen3-30b-a3b"),
+    (["--steps-only"], "--steps-only is for --model qwen3-30b-a3b"),
+    (["--model", "qwen3-30b-a3b", "--experts-only", "--steps-only"], "two runs: give one"),
     (["--model", "qwen3-30b-a3b", "--kernels", "xla", "pallas"], "measures one --kernels choice"),
 ])
 def test_bench_refuses_bad_flags(capsys, argv, message):
@@ -92,8 +94,10 @@ def test_kernel_groups_sort_a_profile_by_kind():
 
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
-    """`--sampling-only`'s measurement at tiny shapes (its fields), and the sort-based filter it is timed
-    against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's alone)."""
+    """`--sampling-only`'s measurement at tiny shapes (its fields, each sampled round in the build its settings
+    take), every variant of the candidate filter finds the radix search's cuts, and the sort-based filter
+    it is timed against keeps what the engine's filter keeps (tie-free logits: the tie rule is the engine's
+    alone)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,35 +106,36 @@ def test_sampling_section_and_its_sort_reference(tmp_path):
 
     run = Run(600, tmp_path, "bench.json")
     setup = dense.setup(run, dense.tiny_plan(), ("xla",), jnp.float32)
-    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step, with the row without the radix branch
-    sampling.sampling(run, setup, 1, 1, "xla", no_branch=False)  # a round (its no-branch rows: the same loop)
+    sampling.sampling(run, setup, 1, 0, "xla")  # the spec-off step
+    sampling.sampling(run, setup, 2, 1, "xla")  # a round, and its parts, at batch 2 (rows and batch apart)
     spec_off, entry = run.results["sampling"]
     for proposal in ("argmax", "sample"):
         for label in ("qwen3_defaults", "top_p_only"):
             assert entry[f"{proposal}_{label}_ms"] > 0 and f"{proposal}_{label}_extra" in entry
             assert (f"{proposal}_{label}_ms" in spec_off) == (proposal == "argmax")
-    assert spec_off["argmax_no_branch_ms"] > 0 and "argmax_no_branch_extra" in spec_off
-    assert "sample_no_branch_ms" not in spec_off and "argmax_no_branch_ms" not in entry
-    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off
-    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in ("filter_ms", "filter_radix_ms", "filter_fallback_ms",
-                                                                    "filter_sort_ms"))
+            assert entry["compile_s"][f"{proposal}_{label}"] > 0
+    builds = [sampling_lib.filter_for(sampling_lib.SamplingParams(*(np.array([x]) for x in settings), None))
+              for _, settings in sampling.SETTINGS]
+    assert builds == ["candidates", "radix"]
+    assert spec_off["greedy_ms"] > 0 and "filter_ms" not in spec_off and "draft_step_ms" not in spec_off
+    parts = [*sampling._filters(), *sampling._draft_steps(), "verify_argmax_ms", "verify_sample_ms", "final_draw_ms"]
+    assert entry["greedy_ms"] > 0 and all(entry[k] > 0 for k in parts)
+    assert {"filter_blocks32_ms", "filter_blocks16x16_ms", "draft_step_blocks16x16_ms", "filter_radix_ms"} <= set(parts)
     assert len(sampling.summary_lines(run.results)) == 4
-    # The engine's filter and the radix search alone find the same cuts.
+    # Every block size of the candidate filter, 32 candidates at top_k 20, and the radix search find the same cuts.
     x = jax.random.normal(jax.random.key(4), (8, 700), jnp.float32) * 3
     t, k, p = jnp.full((8,), 0.6), jnp.full((8,), 20, jnp.int32), jnp.full((8,), 0.95)
     filters = sampling._filters()
-    engine, radix = (jax.jit(filters[name])(x, t, k, p) for name in ("filter_ms", "filter_radix_ms"))
-    np.testing.assert_array_equal(engine[0], radix[0])
-    np.testing.assert_array_equal(engine[1], radix[1])
-    alone = sampling._candidates_only(x, t, k, p)  # the no-branch rows' filter: the same cuts
-    np.testing.assert_array_equal(alone.cut, radix[0])
-    np.testing.assert_array_equal(alone.tie_id, radix[1])
-    assert sampling_lib.filter_rows is not sampling._candidates_only  # restored after the no-branch rows
+    radix = jax.jit(filters["filter_radix_ms"])(x, t, k, p)
+    for name in ("filter_ms", "filter_blocks32_ms", "filter_blocks16x16_ms", "filter_k32_ms"):
+        cut, tie_id, _, total = jax.jit(filters[name])(x, t, k, p)
+        np.testing.assert_array_equal(cut, radix[0])
+        np.testing.assert_array_equal(tie_id, radix[1])
+        np.testing.assert_allclose(total, radix[2], rtol=1e-6)
     logits = jax.random.normal(jax.random.key(3), (6, 500), jnp.float32) * 3
     t, k, p = jnp.array([0.6, 1.0, 1.3, 0.6, 1.0, 2.0]), jnp.array([20, 0, 5, 1, 500, 50]), jnp.full((6,), 0.9)
-    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p), sampling_lib.filtered_probs(logits, t, k, p),
-                               atol=1e-6)
-
+    np.testing.assert_allclose(sampling.sorted_filter(logits, t, k, p),
+                               sampling_lib.filtered_probs(logits, t, k, p, filter="radix"), atol=1e-6)
 
 
 def test_moe_bench_smoke(tmp_path, monkeypatch):
@@ -158,29 +163,65 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     assert projection["best_gamma"] == 1 and projection["gammas"]["1"]["speedup"] > 0
 
 
-def test_moe_bench_experts_only(tmp_path, monkeypatch):
-    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes, one token: one decoder layer's ops and
-    every expert path, each against its floor; the op rows' bytes add up to the layer's."""
+def test_moe_bench_steps_only(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b --steps-only` at tiny shapes: the decode and verify rows on the routed
+    floors, the expert path of each step's token count, no drafter rows and no experts section."""
     import dataclasses
 
-    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,))
+    tiny = moe.tiny_plan()
+    plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)))
+    monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
+    args = ["--tiny", "--model", "qwen3-30b-a3b", "--steps-only", "--out", str(tmp_path), "--kernels", "xla",
+            "--rounds-per-call", "1"]
+    assert bench.main(args) == 0
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["skipped"] == [] and not {"round", "chain", "experts", "layer_ops"} & set(results)
+    (decode,), (verify,) = results["decode"], results["verify"]
+    assert decode["batch"] == 1 and verify["tokens"] == 2 and verify["time_ms"] > 0 and verify["floor_ms"] > 0
+    cfg = plan.base.target
+    assert decode["bytes_read"] < cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
+    assert results["expert_path_by_tokens"] == {"1": "gathered", "2": "gathered"}
+
+
+def test_moe_bench_experts_only(tmp_path, monkeypatch):
+    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes: one decoder layer's ops and every expert
+    path (the kernel at one token, the others at two), each against its floor; the op rows' bytes add up to
+    the layer's."""
+    import dataclasses
+
+    plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,), others_tokens=(2,))
     monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
     args = ["--tiny", "--model", "qwen3-30b-a3b", "--experts-only", "--out", str(tmp_path), "--kernels", "xla"]
     assert bench.main(args) == 0
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["skipped"] == [] and "decode" not in results
     ops = {r["op"]: r for r in results["layer_ops"]}
-    assert set(ops) == {"norm", "attention", "router_topk", "experts", "moe_mlp", "layer", "final_norm_lm_head"}
+    assert set(ops) == {"norm", "attention", "router_topk", "router_topk_sort", "experts", "moe_mlp", "layer",
+                        "final_norm_lm_head"}
     assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
     parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
     assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"
     assert all(ops[name]["kernels_us_per_application"] == {} for name in moe_layer.PROFILED)  # a GPU trace only
     cfg = plan.base.target
     assert ops["experts"]["bytes_read"] == moe.expert_bytes(cfg, 4) * cfg.moe.num_experts_per_tok
-    paths = {r["path"] for r in results["experts"] if r["routing"] == "random"}
-    assert paths == {"gathered", "grouped", "kernel", "grouped_in_out"}
+    paths = {(r["path"], r["tokens"]) for r in results["experts"] if r["routing"] == "random"}
+    assert paths == {("kernel", 1), ("gathered", 2), ("grouped", 2), ("grouped_in_out", 2)}
     assert all(r["ratio"] > 0 for r in results["experts"])
-    assert all(pallas_kernels.ExpertsConfig(**t) for t in moe.KERNEL_TUNINGS.values())  # timed on the GPU only
+    # The kernel's tunings are timed on the GPU only: each lowers to Triton here at the benchmark's shapes
+    # (hidden 2048, moe_intermediate 768, 128 experts) for 1 row (8 slots) and 64 rows (128 slots).
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import routed_experts
+
+    E, D, Ie, bf16, spec = 128, 2048, 768, jnp.bfloat16, jax.ShapeDtypeStruct
+    for name, tuning in moe.KERNEL_TUNINGS.items():
+        for M, S in ((1, 8), (64, 128)):
+            args = (spec((M, D), bf16), spec((S, M), bf16), spec((S,), jnp.int32), spec((1,), jnp.int32),
+                    spec((E, 2 * Ie, D), bf16), spec((E, D, Ie), bf16))
+            lowered = routed_experts._experts.trace(*args, config=pallas_kernels.ExpertsConfig(**tuning),
+                                                    interpret=False).lower(lowering_platforms=("cuda",))
+            assert lowered.as_text().count("moe_down") >= 1, (name, M)
 
 
 def test_synthetic_routing_and_the_tau_model():
@@ -192,11 +233,6 @@ def test_synthetic_routing_and_the_tau_model():
     uniform = moe.synthetic_routing("random", layers=8, rows=1, tokens=32, experts=128, top_k=8)
     assert moe.distinct_per_layer(local).mean() < moe.distinct_per_layer(uniform).mean()
     assert abs(moe.tau_model(3) - 2.5) < 1e-9 and 1 < moe.tau_model(1) < moe.tau_model(2) < 2.5
-    import jax
-
-    with moe.jax_config(moe.PALLAS_LOWERING_FLAG, True):  # the GPU-only path's lowering switch
-        assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is True
-    assert getattr(jax.config, moe.PALLAS_LOWERING_FLAG) is False
 
 
 LIBRARY_READING_ARGV = '''
@@ -290,3 +326,27 @@ def test_pool_bench_dry_run(tmp_path):
     assert set(runs) == {"pool", "fixed_chunks"} and runs["pool"]["tokens"] == runs["fixed_chunks"]["tokens"] > 8
     assert all(r["compilations"] == 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in runs.values())
     assert results["steady"][0]["tokens_per_s"] > 0
+
+
+def test_auto_gamma_bench_and_calibration_dry_run(tmp_path, monkeypatch, capsys):
+    """eagle3_jax_bench/auto_gamma.py at the tiny preset: every engine runs and the comparisons are filled in;
+    the cost table `bench --calibrate` prints is the one the auto engine stored (speed is the GPU's to
+    measure)."""
+    from eagle3_jax.decoding import round_costs
+    from eagle3_jax_bench import auto_gamma
+
+    monkeypatch.setattr(round_costs, "default_folder", lambda: tmp_path / "costs")
+    monkeypatch.setattr(round_costs, "STALE_RATIO", 1e6)  # a shared CPU's timings wander: no re-measuring here
+    assert auto_gamma.main(["--out", str(tmp_path), "--model", "tiny", "--batches", "2", "--max-gamma", "1",
+                            "--prompt-len", "4", "--max-new-tokens", "6", "--reps", "1"]) == 0
+    (row,) = json.loads((tmp_path / "auto_gamma.json").read_text())["rows"]
+    assert set(row["runs"]) == {"0", "1", "auto"} and row["auto_vs_spec_off"] > 0 and row["best_fixed_gamma"] in (0, 1)
+    assert all(r["tokens"] == 12 for r in row["runs"].values()) and sum(row["runs"]["auto"]["gammas_of_row_0"].values())
+    assert all(row["catch_up"][k] > 0 for k in ("hold_ms", "flush_ms", "spec_off_ms"))
+    (stored,) = (tmp_path / "costs").glob("*.json")
+    table = auto_gamma.calibrate(*auto_gamma.models("tiny"), (2,), 1, 4 + 6 + 1 + 2)  # the bench's max_len
+    assert table["seconds"][2] == [pytest.approx(s) for s in json.loads(stored.read_text())["seconds"]["2"]]
+    assert "batch    2 kv      1:" in capsys.readouterr().out
+    called = []
+    monkeypatch.setattr(auto_gamma, "calibrate_preset", called.append)
+    assert bench.main(["--tiny", "--calibrate"]) == 0 and called == ["tiny"]

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import eagle3_jax
 from eagle3_jax.cli import main
+from eagle3_jax.decoding import round_costs
 
 import spec_worlds as worlds
 
@@ -38,6 +39,27 @@ def test_generate_with_prompt_ids(folders, capsys):
     assert code == 0
     assert out.splitlines()[0] == " ".join(f"w{t}" for t in expected.token_ids)
     assert "tokens/s" in out and "tau (mean tokens per round) = 2.000" in out and "accepted 1:" in out
+
+
+def test_generate_with_auto_gamma(folders, capsys, tmp_path, monkeypatch):
+    """--num-draft-tokens auto: the same tokens, and how many rounds ran each gamma. Its round costs are
+    measured on this first use, into a folder of the test's."""
+    monkeypatch.setattr(round_costs, "default_folder", lambda: tmp_path)
+    code = main(["generate", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt-ids", "3,17,5", "--max-new-tokens", "9", "--num-draft-tokens", "auto",
+                 "--max-draft-tokens", "1", "--dtype", "float32", "--max-len", "64", "--rounds-per-call", "3"])
+    out = capsys.readouterr().out
+    target = eagle3_jax.load_target(folders / "target", dtype="float32")
+    (expected,) = eagle3_jax.Engine(target, max_len=64).generate([[3, 17, 5]], 9, stop_token_ids=[47])
+    assert code == 0 and out.splitlines()[0] == " ".join(f"w{t}" for t in expected.token_ids)
+    assert "gamma per round: 0: " in out and len(list(tmp_path.glob("*.json"))) == 1
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(folders / "target"), "--num-draft-tokens", "many"])
+    assert "--num-draft-tokens must be an int or 'auto', got 'many'" in capsys.readouterr().err
+    for flags, message in [(["--num-draft-tokens", "auto"], "pass --drafter"),
+                           (["--max-draft-tokens", "2"], "--max-draft-tokens is for --num-draft-tokens auto")]:
+        with pytest.raises(SystemExit, match=message):  # before the target loads
+            main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", *flags])
 
 
 def test_generate_with_text_prompt(folders, capsys):

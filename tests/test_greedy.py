@@ -110,7 +110,7 @@ def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_t
     # prefill, then one transfer per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls; the third
     # call leaves at most 4 tokens per row, so no fourth call is dispatched.
     transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
-    assert transfers == [(3, 4), (4, 3, 4), (4, 3, 4), (4, 3, 4)]
+    assert transfers == [(3, 6), (4, 3, 6), (4, 3, 6), (4, 3, 6)]  # each row: round_output.width(0) = 6
     assert [kind for kind, _ in engine.device_events].count("call") == 3
     assert [len(r.token_ids) for r in first + other] == [12] * 6
 

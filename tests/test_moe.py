@@ -43,9 +43,9 @@ def rel_err(ours, ref):
 def test_expert_paths_match_the_dense_reference():
     """Every path on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
     chosen by none (the padded slots of the gathered path and the kernel). Through the target, the golden
-    tests below run the gathered path at decode and the grouped one at prefill (and the kernel at decode in
-    test_kernel_path_decode_matches_transformers). D 16 and I 12 are below the kernel's 16-wide blocks:
-    its masked loads cover them."""
+    tests below run the gathered path (at most GATHER_MAX_TOKENS a step: decode and their short prefills),
+    test_kernel_path_decode_matches_transformers the kernel at decode and the grouped path at prefill. D 16
+    and I 12 are below the kernel's 16-wide blocks: its masked loads cover them."""
     E, D, Ie, tokens, top_k = 8, 16, 12, 5, 3
     keys = jax.random.split(jax.random.key(0), 4)
     w_gate_up, w_down = jax.random.normal(keys[0], (E, 2 * Ie, D)), jax.random.normal(keys[1], (E, D, Ie))
@@ -56,6 +56,27 @@ def test_expert_paths_match_the_dense_reference():
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
     for path in moe.PATHS.values():
         assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
+
+
+def test_ranked_top_k_and_distinct_ids_without_a_sort():
+    """top_k_ranked against lax.top_k on rows with many ties (values from 4 levels: ties go to the lower
+    index) and on softmax probabilities; distinct_ids against np.unique padded with E (experts shared, all 8
+    routed to, few of 128). route's default (ranks) meets transformers in the golden tests below."""
+    rng = np.random.default_rng(0)
+    ties = rng.integers(0, 4, (6, 128)).astype(np.float32)
+    logits = rng.standard_normal((5, 16)).astype(np.float32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    ranked = jax.jit(moe.top_k_ranked, static_argnums=1)
+    for values, k in ((ties, 8), (probs, 3)):
+        (got_values, got_ids), (values_, ids_) = ranked(values, k), jax.lax.top_k(values, k)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_))
+        np.testing.assert_array_equal(np.asarray(got_values), np.asarray(values_))
+    distinct = jax.jit(moe.distinct_ids, static_argnums=(1, 2))
+    for M, k, E in ((5, 3, 8), (4, 8, 128)):
+        ids = rng.integers(0, E, (M, k)).astype(np.int32)
+        want = np.unique(ids)
+        want = np.concatenate([want, np.full(min(M * k, E) - len(want), E)])
+        np.testing.assert_array_equal(np.asarray(distinct(ids, E, min(M * k, E))), want)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
@@ -245,17 +266,20 @@ def kernel_case(M, E, D, Ie, top_k, dtype, seed=0):
 def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
     """pallas_kernels.moe_experts (interpreted) in float32 against the dense reference: one token (no padded
     slot), 3 tokens over 6 experts (slots padded: 9 > 6) with D and I not multiples of the blocks, also with
-    16-wide blocks (several programs per expert, several K steps, the last one partial), 17 rows (padded to
-    32); in bfloat16 against the gathered path."""
+    16-wide blocks (several programs per expert, several K steps, the last one partial) and the down stage's
+    slots in groups of 2 (the last group padded where fewer than 6 experts are routed), 17 rows (padded to
+    32); in bfloat16 against the gathered path, the down stage in one group (no partial sums)."""
     x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
     got = moe.experts_kernel(x, weights, ids, w_gate_up, w_down)
     assert np.isfinite(np.asarray(got)).all() and rel_err(got, ref) < 1e-5
     if M == 3:
-        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16)
+        assert len(np.unique(np.asarray(ids))) == 5  # one padded slot: the last group of 2 holds one expert
+        small = moe.experts_kernel(x, weights, ids, w_gate_up, w_down, block_i=16, block_d=16, block_k=16,
+                                   down_groups=3)
         assert rel_err(small, ref) < 1e-5
     low = [a.astype(jnp.bfloat16) for a in (x, weights, w_gate_up, w_down)]
-    got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3])
+    got = moe.experts_kernel(low[0], low[1], ids, low[2], low[3], down_groups=1)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, moe.experts_gathered(low[0], low[1], ids, low[2], low[3])) < 2e-2
 
@@ -273,10 +297,13 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
     with pytest.raises(ValueError, match="dtype int32"):
         pallas_kernels.moe_experts(x[:4].astype(jnp.int32), combine.T[:, :4], slots, count,
                                    w_gate_up.astype(jnp.int32), w_down.astype(jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="down_groups=0 must be >= 1"):
+        pallas_kernels.ExpertsConfig(down_groups=0)
     with pytest.raises(ValueError, match="x is float32 but the weights are bfloat16"):
         pallas_kernels.moe_experts(x[:4], combine.T[:, :4], slots, count, w_gate_up.astype(jnp.bfloat16),
                                    w_down.astype(jnp.bfloat16), interpret=True)
-    assert [moe.choose_path(t, jnp.float32, "xla") for t in (1, 4, 5, 16)] == ["gathered"] * 2 + ["grouped"] * 2
+    xla = [moe.choose_path(t, jnp.float32, "xla") for t in (1, moe.GATHER_MAX_TOKENS, moe.GATHER_MAX_TOKENS + 1)]
+    assert xla == ["gathered", "gathered", "grouped"]
     pallas = [moe.choose_path(t, jnp.bfloat16, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)]
     assert pallas == ["kernel", "kernel", "grouped"]
     assert moe.choose_path(2, jnp.float32, "exact") == "gathered"
@@ -309,7 +336,7 @@ def test_kernel_path_decode_matches_transformers(case, monkeypatch):
     run = jax.jit(target_lib.forward, static_argnums=(1, 4))  # traced here, with the patched choice
     tokens, lengths = padded(PROMPTS)
     cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
-    _, cache, _ = forward(tgt.params, cfg, tokens, cache, ())
+    _, cache, _ = run(tgt.params, cfg, tokens, cache, ())  # 24 rows: the grouped path
     cache = cache.with_lengths(lengths)
     step_logits = []
     for s in range(len(STEPS[0])):

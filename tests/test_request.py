@@ -44,13 +44,16 @@ def test_a_2d_array_of_prompts_is_a_list_of_rows():
 def test_round_output_unpacks_what_pack_wrote():
     gamma = 2
     packed = pack(jnp.array([[7, 8, 9], [4, 5, 6]]), jnp.array([[7, 1], [2, 3]]), jnp.array([2, 0]),
-                  jnp.array([1, 0]), jnp.array([False, True]))
-    assert packed.shape == (2, width(gamma)) == (2, 2 * gamma + 4)
+                  jnp.array([1, 0]), jnp.array([False, True]), jnp.array([[3, 4], [0, 0]]))
+    assert packed.shape == (2, width(gamma)) == (2, 2 * gamma + 6)
     out = RoundOutput.unpack(np.asarray(packed), gamma)
     assert out.tokens == [[7, 8], []] and out.drafts.tolist() == [[7, 1], [2, 3]]
     assert out.choices.tolist() == [[7, 8, 9], [4, 5, 6]] and out.accepted.tolist() == [1, 0]
-    assert out.done.tolist() == [False, True]
-    with pytest.raises(ValueError, match="a round of gamma 3 packs 10 columns, got 8"):
+    assert out.done.tolist() == [False, True] and out.emitted.tolist() == [2, 0]
+    assert out.shadow.tolist() == [[3, 4], [0, 0]]
+    one, no_drafts = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32)
+    assert RoundOutput.unpack(np.asarray(pack(one[:, None], no_drafts, one, one, one)), 0).shadow.tolist() == [[0, 0]]
+    with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns, got 10"):
         RoundOutput.unpack(np.asarray(packed), 3)
 
 

@@ -1,7 +1,11 @@
 """Sampling through Engine.generate: the distribution of the first three tokens against an exact float64
-enumeration (chi-square, spec off and both proposal modes at gamma 1-3), the gate's power against two
+enumeration (chi-square, spec off and both proposal modes at gamma 1-3, and through a change of gamma under
+"auto"), the gate's power against two
 wrong samplers, rows that behave (greedy rows in mixed batches, seeds), the edges, bad settings, and no
 recompilation when settings change."""
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper,
 
 import eagle3_jax
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax.decoding import sampling
+from eagle3_jax.decoding import sampling, slots, spec_round
 from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
@@ -101,10 +105,12 @@ def sample_first_three(engine, settings_list, seed0: int) -> list[np.ndarray]:
 # (temperature, top_k, top_p): plain, top-k, top-p, both, spread over the configurations below. The
 # filters themselves are checked against transformers on many more settings in test_sampling.py.
 PLAIN_07, TOPK_10, TOPP_13, BOTH_10 = (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (1.0, 8, 0.85)
+# Settings with top_k run the candidate filter's build, the others the radix search's (sampling.filter_for):
+# each proposal meets both.
 CONFIGS = [  # (gamma, proposal, settings); gamma 2 lies between these and is left out for the suite's time
-    (0, "argmax", [TOPP_13]),
+    (0, "argmax", [TOPK_10]),
     (1, "argmax", [PLAIN_07]), (3, "argmax", [TOPK_10]),
-    (1, "sample", [TOPK_10]), (3, "sample", [BOTH_10]),
+    (1, "sample", [TOPP_13]), (3, "sample", [BOTH_10]),
 ]
 
 
@@ -129,6 +135,22 @@ def test_first_three_tokens_follow_the_exact_distribution(tiny, exact, gamma, pr
     samples = sample_first_three(make_engine(tiny, gamma, proposal, pool), settings, seed0=1000 * gamma)
     for s, tokens in zip(settings, samples):
         assert gate_p_value(tokens, exact[s]) > 1e-4, s
+
+
+def test_first_three_tokens_follow_the_exact_distribution_through_a_change_of_gamma(tiny, exact):
+    """num_draft_tokens="auto" with costs that make gamma 2 cheapest at the prompt's KV length and gamma 0
+    beyond it: the first call drafts 2, and a row that accepted no draft takes its third token from a plain
+    step (a gamma-0 call holding its pair back from the drafter). A fifth of the samples, for the suite's
+    time: the gate still rejects the "accept every draft" sampler of test_the_gate_rejects_wrong_samplers at
+    p < 1e-12 in such a configuration."""
+    _, target, drafter = tiny
+    n = N // 5
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=2, max_len=MAX_LEN,
+                               proposal="sample", rounds_per_call=1, max_batch=n, prefill_tokens=n * MAX_LEN,
+                               round_costs=lambda batch, length: [3, 2, 1] if length < 3.5 else [1, 2, 3])
+    results = engine.generate([PROMPT] * n, 3, temperature=PLAIN_07[0], seed=list(range(31, 31 + n)))
+    assert {tuple(r.gammas) for r in results} == {(2,), (2, 0)}
+    assert gate_p_value(np.array([r.token_ids for r in results]), exact[PLAIN_07]) > 1e-4
 
 
 @pytest.fixture
@@ -293,7 +315,8 @@ def test_bad_proposal_is_refused(world):
 def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal):
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
-    engine.generate(SIX, 16, temperature=0.7, seed=0)  # compiles the sampling build
+    engine.generate(SIX, 16, temperature=0.7, seed=0)  # compiles the radix build (top_k 0)
+    engine.generate(SIX, 16, temperature=0.7, top_k=20, seed=0)  # and the candidate filter's
     requests = [
         {"temperature": 1.3, "top_k": 5, "top_p": 0.9, "seed": 3},
         {"temperature": [0.0, 0.6, 2.0] * 2, "top_k": [0, 20, 1] * 2, "top_p": [1.0, 0.95, 0.3] * 2,
@@ -305,6 +328,29 @@ def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal)
             results = engine.generate(SIX, 16, **settings)
             transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
             calls = -(-max(len(r.accept_lengths) for r in results) // 4)
-            assert transfers == [(6, 2 * 3 + 4)] + [(4, 6, 2 * 3 + 4)] * calls
+            assert transfers == [(6, 2 * 3 + 6)] + [(4, 6, 2 * 3 + 6)] * calls
             assert [kind for kind, _ in engine.device_events].count("call") == calls
     assert compiles.count == 0
+
+
+def test_each_request_takes_the_filter_its_settings_need(world):
+    """The candidate filter's build when every sampled row's top_k is in [1, 64] (a greedy row's top_k 0
+    beside them too), else the radix search's, as top_k 0 beside top_k 20 needs; the candidate build's round
+    holds no conditional."""
+    target, drafter = world["random"]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal="sample")
+
+    def build(**settings):
+        return engine._build(engine.request(SIX[:3], 4, **settings))
+
+    assert not build().sampling and build(temperature=0.7).filter == "radix"
+    assert build(temperature=0.7, top_k=[0, 20, 20]).filter == "radix"
+    assert build(temperature=0.7, top_k=[20, 64, 1]).filter == "candidates"
+    assert build(temperature=[0.0, 0.7, 0.7], top_k=[0, 20, 20]).filter == "candidates"
+    assert build(temperature=0.7, top_k=[20, 65, 20]).filter == "radix"
+    spec = build(temperature=0.6, top_k=20, top_p=0.95)
+    request = engine.request(SIX[:3], 4, temperature=0.6, top_k=20, top_p=0.95)
+    params = (target.params, drafter.params)
+    state = jax.eval_shape(functools.partial(slots.empty, spec=spec), *params, request.take([0, 1, 2], 3, 64))
+    jaxpr = str(jax.make_jaxpr(functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=2))(*params, state))
+    assert "top_k[" in jaxpr and not re.search(r"\bcond\[", jaxpr)

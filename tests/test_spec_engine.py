@@ -195,8 +195,8 @@ def test_one_transfer_per_call_and_no_recompile(world):
         results = engine.generate(PROMPTS, 16)
         transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
         rounds = max(len(r.accept_lengths) for r in results)
-        calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 4] per call
-        assert transfers == [(3, 2 * 3 + 4)] + [(4, 3, 2 * 3 + 4)] * calls
+        calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 6] per call
+        assert transfers == [(3, 2 * 3 + 6)] + [(4, 3, 2 * 3 + 6)] * calls
         engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # another prompt-length bucket: prefill compiles
     assert compiles.count == 1
 

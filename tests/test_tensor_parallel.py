@@ -121,6 +121,16 @@ def test_an_orbax_folder_or_exact_kernels_on_a_mesh_are_refused(tmp_path):
         eagle3_jax.Engine(target, max_len=32, exact=True)
 
 
+def test_the_candidate_filter_is_refused_on_a_split_vocabulary():
+    """Its lax.top_k is per device: a vocabulary split over a mesh takes the radix search."""
+    from eagle3_jax.decoding import sampling
+    from eagle3_jax.parallel.collectives import Shards, Vocab
+
+    x, row = np.zeros((1, 8), np.float32), np.ones((1,), np.float32)
+    with pytest.raises(ValueError, match="filter 'candidates' is per device: a vocabulary split over a mesh"):
+        sampling.filter_rows(x, row, np.ones((1,), np.int32), row, Vocab(Shards(4)), filter="candidates")
+
+
 def test_cli_tp_beyond_the_devices_is_refused_before_loading(tmp_path, capsys):
     from eagle3_jax import cli
 
@@ -128,6 +138,9 @@ def test_cli_tp_beyond_the_devices_is_refused_before_loading(tmp_path, capsys):
     assert cli.main(["generate", "--target", str(tmp_path / "absent"), "--prompt-ids", "1,2",
                      "--tp", str(n + 1), "--no-compile-cache"]) == 2
     assert f"error: tp={n + 1} needs {n + 1} devices, and {n} are present" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--num-draft-tokens auto runs on one device: with --tp give it an int"):
+        cli.main(["generate", "--target", str(tmp_path / "absent"), "--drafter", str(tmp_path / "absent"),
+                  "--prompt-ids", "1,2", "--num-draft-tokens", "auto", "--tp", "2", "--no-compile-cache"])
 
 
 def test_four_virtual_devices(tmp_path):
@@ -138,7 +151,7 @@ def test_four_virtual_devices(tmp_path):
                            "tests/tp_four_devices.py", "--basetemp", str(tmp_path)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-1].startswith("27 passed"), proc.stdout[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("28 passed"), proc.stdout[-2000:]
 
 
 def test_tp1_bench_dry_run(tmp_path):

@@ -246,6 +246,19 @@ def test_seeded_sampling_gives_the_unsharded_tokens(world):
     assert got[1].token_ids == unsharded_greedy(world, "random2")[1].token_ids
 
 
+def test_a_mesh_samples_through_the_radix_search_whatever_the_settings(world):
+    """Settings the candidate filter takes on one device (every sampled row's top_k in [1, 64]) build the
+    radix search on a mesh; a num_draft_tokens="auto" engine on a mesh is refused before anything is placed."""
+    settings = dict(temperature=0.7, top_k=20)
+    one = eagle3_jax.Engine(world["random2"], max_len=MAX_LEN)
+    assert one._build(one.request(PROMPTS, 4, **settings)).filter == "candidates"
+    target = sharded_target(world, "random2", 4)
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN)
+    assert engine._build(engine.request(PROMPTS, 4, **settings)).filter == "radix"
+    with pytest.raises(ValueError, match="num_draft_tokens='auto' runs on one device"):
+        eagle3_jax.Engine(target, world["drafter"], num_draft_tokens="auto", max_len=MAX_LEN)
+
+
 def test_a_tp_that_does_not_split_the_target_is_refused_with_the_numbers(world):
     """random2: 8 heads, 2 KV heads, intermediate 104, vocabulary 48; tp 3 divides only the vocabulary."""
     mesh = tp_mesh(3)
@@ -302,7 +315,7 @@ def test_filters_and_draws_across_shards_are_the_unsharded_ones():
 
     def filtered(vocab):
         def run(x, t, k, p, keys):
-            f = sampling.filter_rows(x, t, k, p, vocab)
+            f = sampling.filter_rows(x, t, k, p, vocab, filter="radix")  # the only filter of a split vocabulary
             one_hot = sampling.verify(keys[:2], f, drafts, None, room)
             from_q = sampling.verify(keys[:2], f, drafts, q, room, q_ids)
             return (f.cut, f.tie_id, f.top, f.total, f.probs(), sampling.categorical(keys, f.probs(), vocab),

@@ -10,25 +10,34 @@ The jitted steps are module-level: their static configuration (`StepSpec`) is a 
 every Engine of the same configuration, and every request of the same shapes, reuses one compilation.
 
 Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one value per row, so new
-values never recompile. An Engine has two builds of its steps: the greedy one, which a request whose rows
-are all greedy runs (no sampling work at all), and the sampling one, which runs any request with
-a sampled row and handles greedy rows beside them. Each compiles once, when first needed.
+values never recompile. An Engine has three builds of its steps: the greedy one, which a request whose rows
+are all greedy runs (no sampling work at all), and two sampling ones, which run any request with a sampled
+row and handle greedy rows beside them: the candidate filter's when every sampled row's top_k is in [1, 64],
+else the radix search's (sampling.filter_for). Each compiles once, when first needed.
 
-With a tensor-parallel mesh (`Engine(mesh=...)`) the same steps run as shard_maps over it (parallel/steps.py).
+num_draft_tokens="auto" builds one step per gamma 0 .. max_draft_tokens (StepSpec.gamma; the DecodeState
+is the same pytree for all, so the pool's donated state flows from one to another and a change of gamma
+never recompiles), and each call of rounds runs the gamma gamma_policy.py picks from the acceptance seen so
+far in the request and round_costs.py's measured cost of each gamma at the pool's batch size and KV length.
+
+With a tensor-parallel mesh (`Engine(mesh=...)`) the same steps run as shard_maps over it (parallel/steps.py);
+a sampling build there always runs the radix search (the candidate filter is per device), and
+num_draft_tokens="auto" is refused (its round costs and held pairs are one device's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import scheduler, slots, spec_round
+from eagle3_jax.decoding import engine_args, gamma_policy, round_costs, scheduler, slots, spec_round
+from eagle3_jax.decoding import progress as progress_lib
+from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.parallel import steps as parallel_steps
@@ -41,7 +50,6 @@ DEFAULT_PROPOSAL = "argmax"
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False
-DEFAULT_MAX_LEN = 2048  # Engine(max_len=None)'s capacity, where the target's limit allows it
 # Engine(max_batch=None) takes the slots that fit, at most this many: every slot's KV is held for max_len,
 # and a larger batch compiles and runs steps no user of one GPU is likely to want.
 MAX_DEFAULT_BATCH = 256
@@ -68,9 +76,12 @@ class Result:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "stop" (ended at a stop token, included) or "length"
     # Per speculative round: the drafts it committed (0..gamma; RoundTrace.accepted); empty when spec is off.
-    # tau = mean(a + 1).
+    # tau = mean(a + 1): tokens per target step. Under "auto" a gamma-0 round counts as a round that
+    # accepted 0 (it emits one token), so tau stays tokens per target step over every round.
     accept_lengths: list[int]
     rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
+    # The gamma each round of accept_lengths ran (all the engine's gamma unless num_draft_tokens="auto").
+    gammas: list[int] = dataclasses.field(default_factory=list)
 
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
@@ -87,11 +98,18 @@ class Engine:
     Lossless: a greedy row's output is token for token what plain greedy decoding of the target gives,
     and a sampled row's output is distributed exactly as sampling the target alone."""
 
-    def __init__(self, target: Target, drafter=None, num_draft_tokens: int = 3, max_len: int | None = None,
+    def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, mesh=None):
-        """max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
+                 prefill_tokens: int = PREFILL_TOKENS, max_draft_tokens: int | None = None, round_costs=None,
+                 mesh=None):
+        """num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
+        0 .. max_draft_tokens (None: engine_args.DEFAULT_MAX_DRAFT_TOKENS) of the most expected tokens per second
+        (gamma_policy.py), gamma 0 being a plain step; needs a drafter, and one device (refused with a mesh).
+        round_costs: under "auto", `round_costs(batch, kv_length)` -> seconds of a call of each gamma 0 ..
+        max_draft_tokens; None measures them on this device on first use of a batch size and caches them on
+        disk (round_costs.py).
+        max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
         max_position_embeddings)).
         rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
@@ -114,15 +132,19 @@ class Engine:
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
         the sizes."""
         cfg = target.config
-        max_len = _check_sizes(cfg, drafter is not None, num_draft_tokens, max_len, rounds_per_call)
+        gamma, self.auto = engine_args.check_gamma(drafter is not None, num_draft_tokens, max_draft_tokens)
+        max_len = engine_args.check_sizes(cfg, drafter is not None, gamma, max_len, rounds_per_call)
         head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        _check_exact(cfg, exact)
+        engine_args.check_exact(cfg, exact)
         self._steps = ONE_DEVICE
         mesh = target.mesh if mesh is None else mesh
         if mesh is not None:  # the arguments are checked first: placing the models is device work
+            if self.auto:
+                raise ValueError("num_draft_tokens='auto' runs on one device (its round costs and held pairs are "
+                                 "one device's): with a mesh, give num_draft_tokens an int")
             target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
         self.target, self.drafter, self.max_len = target, drafter, max_len
         per_device = target if mesh is None else parallel_steps.per_device_target(target)
@@ -132,7 +154,9 @@ class Engine:
         if not is_int(prefill_tokens) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
         self.prefill_tokens = int(prefill_tokens)
-        self.num_draft_tokens = int(num_draft_tokens) if drafter is not None else 0
+        # Under "auto", the largest gamma; prefill packs its output at this width.
+        self.num_draft_tokens = gamma if drafter is not None else 0
+        self._given_costs, self._costs = round_costs, {}
         self._spec = spec_round.StepSpec(
             target=cfg,
             drafter=drafter.config if drafter is not None else None,
@@ -140,6 +164,7 @@ class Engine:
             max_len=self.max_len,
             kernels=kernels,
             exact=exact,
+            held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto else 0,
         )
         if mesh is not None:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
@@ -151,13 +176,22 @@ class Engine:
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
 
     def _build(self, request: Request) -> spec_round.StepSpec:
-        """The build a request runs: the sampling one when some row samples."""
-        return self._sampling_spec if request.samples else self._spec
+        """The build a request runs: the sampling one when some row samples, with the filter its settings
+        need (sampling.filter_for; on a mesh, the radix search)."""
+        if not request.samples:
+            return self._spec
+        # A vocabulary split over a mesh takes the radix search: the candidate filter's top-k is per device.
+        chosen = "radix" if self._spec.tp is not None else sampling_lib.filter_for(request.sampling)
+        return dataclasses.replace(self._sampling_spec, filter=chosen)
+
+    def _prefill_build(self, spec: spec_round.StepSpec) -> spec_round.StepSpec:
+        """The prefill of a build: one for both proposals (prefill draws no drafts), with the build's filter."""
+        return dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if spec.sampling else self._spec
 
     def _ops(self, request: Request) -> scheduler.Ops:
         """The device operations of a request's build, each recorded in `device_events`."""
         spec = self._build(request)
-        prefill_spec = self._sampling_prefill_spec if request.samples else self._spec
+        prefill_spec = self._prefill_build(spec)
         params, steps = (self.target.params, self._draft_params), self._steps
 
         def empty(rows, template):
@@ -169,8 +203,10 @@ class Engine:
             fresh, packed = steps.prefill(*params, steps.put(rows), spec=prefill_spec)
             return (fresh if state is None else steps.insert(state, fresh, steps.put(slot_ids))), packed
 
-        return scheduler.Ops(empty=empty, admit=admit, rounds=lambda state: self._call_rounds(state, spec),
-                             fetch=self._fetch)
+        def rounds(state, gamma, flush):
+            return self._call_rounds(state, dataclasses.replace(spec, gamma=gamma, flush=flush))
+
+        return scheduler.Ops(empty=empty, admit=admit, rounds=rounds, fetch=self._fetch)
 
     def _call_rounds(self, state, spec: spec_round.StepSpec):
         """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
@@ -222,7 +258,7 @@ class Engine:
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
         results: list[Result | None] = [None] * request.num_rows
-        for i, result in self._completed(request, trace, _checked_progress(progress)):
+        for i, result in self._completed(request, trace, progress_lib.checked(progress)):
             results[i] = result
         return results
 
@@ -233,17 +269,18 @@ class Engine:
         abandon at any point. A bad request raises here, before any device work."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
-        return self._completed(request, trace, _checked_progress(progress))
+        return self._completed(request, trace, progress_lib.checked(progress))
 
     def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
         P = request.num_rows
-        tokens, accepts, traces = ([[] for _ in range(P)] for _ in range(3))
-        bar = _progress_bar(P, self._pool_rows(request), progress)
+        tokens, accepts, gammas, traces = ([[] for _ in range(P)] for _ in range(4))
+        bar = progress_lib.progress_bar(P, self._pool_rows(request), progress)
         try:
             for event in self._events(request, trace):
                 tokens[event.prompt].extend(event.tokens)
                 if event.accepted is not None:
                     accepts[event.prompt].append(event.accepted)
+                    gammas[event.prompt].append(event.gamma)
                     if event.trace is not None:
                         traces[event.prompt].append(RoundTrace(*event.trace, event.accepted))
                 if bar is not None:
@@ -251,7 +288,7 @@ class Engine:
                 if event.finished:
                     i, new = event.prompt, tokens[event.prompt]
                     reason = "stop" if new and request.is_stop(i, new[-1]) else "length"
-                    yield i, Result(new, reason, accepts[i], traces[i] if trace else None)
+                    yield i, Result(new, reason, accepts[i], traces[i] if trace else None, gammas[i])
         finally:
             if bar is not None:
                 bar.close()
@@ -269,8 +306,9 @@ class Engine:
         """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
         longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
         waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
-        each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds;
-        greedy, or the sampling build when `samples`. Returns how many prefill shapes ran."""
+        each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds
+        (of every gamma under "auto", whose round costs at the pool's size it also measures or loads); greedy,
+        or the sampling build when `samples`. Returns how many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0
         template = self.request([[0] * longest_prompt], 1, temperature=temperature)
         ops, pool = self._ops(template), self.max_batch
@@ -283,9 +321,66 @@ class Engine:
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
                 state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature), drop)
                 shapes += 1
-        state, packed = ops.rounds(state)
-        ops.fetch(packed)
+        for call in self._calls():
+            state, packed = ops.rounds(state, call.gamma, call.flush)
+            ops.fetch(packed)
+        if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
+            self.round_costs(pool, 0.0, template)
         return shapes
+
+    @property
+    def gammas(self) -> tuple[int, ...]:
+        """The gammas calls of rounds may run: 0 .. max_draft_tokens under "auto", else the one."""
+        return tuple(range(self.num_draft_tokens + 1)) if self.auto else (self.num_draft_tokens,)
+
+    def round_costs(self, batch: int, length: float, template: Request | None = None):
+        """Seconds of one call of rounds of each gamma in `gammas` at `batch` rows and KV `length`, for the
+        build and widths of `template` (a request; None: a greedy one with one stop id): the injected costs,
+        else round_costs.py's table for this configuration and device, measured on first use of a batch size
+        (which compiles each gamma at it, as the request would)."""
+        if self._given_costs is not None:
+            return self._given_costs(batch, length)
+        template = template or self._greedy_template()
+        spec = self._build(template)
+        build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
+        if build not in self._costs:
+            fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
+                      "rounds_per_call": self.rounds_per_call, "gammas": self.gammas}
+            lengths = round_costs.grid_lengths(self.max_len, round_costs.margin(self.rounds_per_call,
+                                                                                self.num_draft_tokens))
+            self._costs[build] = round_costs.RoundCosts(round_costs.cache_key(fields), round_costs.default_folder(),
+                                                        lengths, len(self.gammas))
+        return self._costs[build].seconds(batch, length, lambda b, n, g: self.time_call(b, n, g, template))
+
+    def _greedy_template(self) -> Request:
+        return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
+
+    def _calls(self) -> list[gamma_policy.Call]:
+        """Every call of rounds this engine can run: each gamma, and under "auto" gamma 0 holding its pairs."""
+        return [gamma_policy.Call(g) for g in self.gammas] + ([gamma_policy.Call(0, False)] if self.auto else [])
+
+    def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None,
+                  flush: bool | None = None) -> float:
+        """Seconds per call of rounds of `gamma` on a dummy pool of `batch` live rows at KV `length`, of the
+        template request's build and widths (None: greedy, one stop id); not in `device_events`, which
+        records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
+        of which flushes."""
+        template = template or self._greedy_template()
+        if flush is None and gamma == 0 and self.auto:
+            hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
+            return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
+        spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
+        rows = jax.device_put(template.take([], batch, self.max_len))
+        state = jit_empty(self.target.params, self._draft_params, rows, spec=self._prefill_build(spec))
+        state = round_costs.timing_pool(state, length, self.target.config.vocab_size, self.max_len)
+        return round_costs.time_calls(lambda s: jit_rounds(self.target.params, self._draft_params, s, spec=spec,
+                                                           num_rounds=self.rounds_per_call), state)
+
+    def _policy(self, request: Request) -> scheduler.Policy:
+        if not self.auto:
+            return gamma_policy.Fixed(self.num_draft_tokens)
+        rows = self._pool_rows(request)
+        return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request))
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
@@ -302,50 +397,10 @@ class Engine:
 
     def _events(self, request: Request, trace: bool = False) -> Iterator[scheduler.Event]:
         self.device_events = []
-        return scheduler.run(self._ops(request), request, self._pool_rows(request), gamma=self.num_draft_tokens,
-                             rounds_per_call=self.rounds_per_call, max_len=self.max_len,
-                             speculative=self.drafter is not None, prefill_tokens=self.prefill_tokens, trace=trace)
-
-
-def _check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:
-    """Engine's int arguments, each an int (a numpy integer too, never a bool) in its range; returns
-    max_len, None resolved to the default that fits the target."""
-    limit = cfg.max_position_embeddings
-    max_len = min(DEFAULT_MAX_LEN, limit) if max_len is None else max_len
-    if not is_int(max_len) or not 2 <= max_len <= limit:
-        raise ValueError(f"max_len must be None or an int in [2, max_position_embeddings={limit}], got {max_len!r}")
-    least = 1 if has_drafter else 0
-    if not is_int(num_draft_tokens) or num_draft_tokens < least:
-        raise ValueError(f"num_draft_tokens must be an int >= {least}{' with a drafter' if has_drafter else ''}, "
-                         f"got {num_draft_tokens!r}")
-    # More rounds than max_len can never emit a token: every round emits one per live row.
-    if not is_int(rounds_per_call) or not 1 <= rounds_per_call <= max_len:
-        raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
-    return int(max_len)
-
-
-def _check_exact(cfg, exact) -> None:
-    if not isinstance(exact, bool):
-        raise ValueError(f"exact must be a bool, got {exact!r}")
-    if not exact:
-        return
-    if not kernels_lib.pallas_attention_supports(cfg.head_dim):
-        raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), got {cfg.head_dim}")
-    if cfg.moe is not None:
-        raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
-    _check_exact_shapes(cfg)
-
-
-def _check_exact_shapes(cfg) -> None:
-    """exact=True's matmul (pallas_kernels/skinny_matmul.py) needs every target weight's output size to be a
-    multiple of 16 and its input size at least 16."""
-    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    outputs = {"q/k/v": (cfg.num_heads + 2 * cfg.num_kv_heads) * H, "o": D, "gate/up": 2 * I, "down": D,
-               "lm_head": cfg.vocab_size}
-    bad = [f"{name} {n}" for name, n in outputs.items() if n % 16] + [
-        f"input {k}" for k in (D, cfg.num_heads * H, I) if k < 16]
-    if bad:
-        raise ValueError(f"exact=True needs target weights with outputs a multiple of 16 and inputs >= 16: {bad}")
+        return scheduler.run(self._ops(request), request, self._pool_rows(request), policy=self._policy(request),
+                             prefill_gamma=self.num_draft_tokens, rounds_per_call=self.rounds_per_call,
+                             max_len=self.max_len, speculative=self.drafter is not None,
+                             prefill_tokens=self.prefill_tokens, trace=trace)
 
 
 def slot_bytes(target: Target, drafter, max_len: int) -> int:
@@ -383,34 +438,3 @@ def _check_pool(max_batch, capacity: int, slot: int) -> int:
         raise ValueError(f"max_batch={max_batch} slots do not fit: {capacity} fit in the device's free memory "
                          f"at {slot / 2**20:.1f} MiB a slot")
     return int(max_batch)
-
-
-class _ProgressBar:
-    """Prompts done and tokens/s on stderr (tqdm)."""
-
-    def __init__(self, total: int):
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(total=total, unit="prompt", desc="generating")
-        self._tokens, self._start = 0, time.perf_counter()
-
-    def add(self, tokens: int, finished: bool) -> None:
-        self._tokens += tokens
-        if finished:
-            self._bar.set_postfix(tokens_per_s=f"{self._tokens / (time.perf_counter() - self._start):.0f}",
-                                  refresh=False)
-            self._bar.update(1)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-def _checked_progress(progress):
-    if progress is not None and not isinstance(progress, bool):
-        raise ValueError(f"progress must be a bool or None, got {progress!r}")
-    return progress
-
-
-def _progress_bar(prompts: int, slots: int, progress: bool | None) -> _ProgressBar | None:
-    show = prompts > slots if progress is None else progress
-    return _ProgressBar(prompts) if show else None

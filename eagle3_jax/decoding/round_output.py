@@ -8,6 +8,10 @@ Columns of a row, in order (gamma: the drafts per round):
   emitted   1          how many of the choices the row emitted (cut by a stop token, max_new_tokens, max_len)
   accepted  1          how many drafts the row committed: the drafts among its emitted tokens
   done      1          whether the row has finished
+  shadow    2          the last round of a gamma-0 call that brought the drafter up to date (spec_round._catch_up):
+                       of the pairs it caught up on, how many had a token equal to the drafter's would-be first
+                       draft, and how many there were; 0, 0 in every other round. It lets the gamma policy
+                       (gamma_policy.py) see the drafter improve while it is not used.
 """
 
 from __future__ import annotations
@@ -18,22 +22,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_COLUMNS = ("choices", "drafts", "emitted", "accepted", "done")
+_COLUMNS = ("choices", "drafts", "emitted", "accepted", "done", "shadow")
 
 
 def _widths(gamma: int) -> dict[str, int]:
-    return dict(zip(_COLUMNS, (gamma + 1, gamma, 1, 1, 1)))
+    return dict(zip(_COLUMNS, (gamma + 1, gamma, 1, 1, 1, 2)))
 
 
 def width(gamma: int) -> int:
-    """The packed row's width: 2 gamma + 4."""
+    """The packed row's width: 2 gamma + 6."""
     return sum(_widths(gamma).values())
 
 
-def pack(choices, drafts, emitted, accepted, done) -> jax.Array:
-    """The columns (choices [B, gamma + 1], drafts [B, gamma], the rest [B]) as one int32 array
-    [B, width(gamma)]."""
-    columns = (choices, drafts, emitted, accepted, done)
+def pack(choices, drafts, emitted, accepted, done, shadow=None) -> jax.Array:
+    """The columns (choices [B, gamma + 1], drafts [B, gamma], shadow [B, 2] (None: zeros), the rest [B]) as one
+    int32 array [B, width(gamma)]."""
+    shadow = jnp.zeros(emitted.shape + (2,), jnp.int32) if shadow is None else shadow
+    columns = (choices, drafts, emitted, accepted, done, shadow)
     return jnp.concatenate([c.reshape(c.shape[0], -1).astype(jnp.int32) for c in columns], axis=1)
 
 
@@ -46,6 +51,8 @@ class RoundOutput:
     drafts: np.ndarray  # [B, gamma]
     accepted: np.ndarray  # [B] drafts committed
     done: np.ndarray  # [B] bool
+    emitted: np.ndarray  # [B] tokens emitted
+    shadow: np.ndarray  # [B, 2] (pairs whose would-be first draft matched, pairs) a catch-up reported
 
     @classmethod
     def unpack(cls, packed: np.ndarray, gamma: int) -> RoundOutput:
@@ -59,4 +66,5 @@ class RoundOutput:
         emitted, accepted, done = (columns[k][:, 0] for k in ("emitted", "accepted", "done"))
         # Whole-array tolist, then list slices: per-row numpy work costs seconds at thousands of rows.
         tokens = [row[:n] for row, n in zip(columns["choices"].tolist(), emitted.tolist())]
-        return cls(tokens, columns["choices"], columns["drafts"], accepted, done.astype(bool))
+        return cls(tokens, columns["choices"], columns["drafts"], accepted, done.astype(bool), emitted,
+                   columns["shadow"])

@@ -8,14 +8,15 @@ array with one value per row, so a batch mixes settings and new values never rec
 What is kept. After both filters a row keeps the tokens whose tempered logit is above a cut, and of the
 tokens exactly at the cut those with the highest ids (`Filtered`: a cut and a tie id per row, from which a
 probability is one logit read and a row's distribution one elementwise pass). Two exact searches find the
-cuts. When every sampled row's top_k is in [1, 64], they come from each row's 64 largest logits
-(candidate_filter.py: a few passes over the row). Otherwise a radix search over the logits' bit patterns
-runs, a device-side branch: a float32 maps to a uint32 key with the same order, and the key is settled 4
-bits at a time, from the top, by one pass over the row that weighs 16 candidate thresholds at once (top-k
-counts the tokens at or above each candidate, top-p sums their probability). 8 passes fix a 32-bit key
-exactly: the threshold a sort would give, not an approximation. On the H200 the radix search takes 0.26 ms
-over [4, 151936] rows and 1.03 ms over [32, 151936] (a sort per row: 0.33 and 1.19 ms), as XLA runs each
-pass as its own reduction (BENCHMARKS.md).
+cuts, and which one a build runs is static (`FILTERS`, spec_round.StepSpec.filter): the engine picks it per
+request on the host (`filter_for`), so neither program holds a device-side branch. When every sampled row's
+top_k is in [1, 64], the cuts come from each row's 64 largest logits (candidate_filter.py: a few passes over
+the row). Otherwise a radix search over the logits' bit patterns runs: a float32 maps to a uint32 key with
+the same order, and the key is settled 4 bits at a time, from the top, by one pass over the row that weighs
+16 candidate thresholds at once (top-k counts the tokens at or above each candidate, top-p sums their
+probability). 8 passes fix a 32-bit key exactly: the threshold a sort would give, not an approximation. On
+the H200 the radix search takes 0.31 ms over [4, 151936] rows and 1.06 ms over [32, 151936] (a sort per row:
+0.36 and 1.23 ms), as XLA runs each pass as its own reduction; the candidate filter 0.23 and 0.43 ms.
 
 Ties at the top-p boundary. transformers sorts the logits ascending and drops the tokens whose
 cumulative probability is <= 1 - top_p, so among tokens of equal logit it keeps some and drops others by
@@ -37,6 +38,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.decoding import candidate_filter
 from eagle3_jax.parallel.collectives import FULL, Vocab
@@ -44,6 +46,7 @@ from eagle3_jax.parallel.collectives import FULL, Vocab
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws
 _NO_TIE = 2**31 - 1  # tie id of a row that keeps none of the tokens at its cut
+FILTERS = ("radix", "candidates")  # the exact searches for the cuts (`filter_rows`), a static choice per build
 
 
 @jax.tree_util.register_dataclass
@@ -186,31 +189,41 @@ def tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(logits.astype(jnp.float32) / scale[:, None])
 
 
+def filter_for(settings: SamplingParams) -> str:
+    """The filter a request's sampling build runs, from its settings as host arrays: "candidates" when every
+    sampled row's top_k is in [1, K] (candidate_filter.py), else "radix" (exact for any settings). Greedy
+    rows' settings do not count: their filtered distribution is never used."""
+    sampled = np.asarray(settings.temperature) > 0
+    top_k = np.asarray(settings.top_k)
+    return "candidates" if np.all(~sampled | ((top_k >= 1) & (top_k <= candidate_filter.K))) else "radix"
+
+
 def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                vocab: Vocab = FULL) -> Filtered:
+                vocab: Vocab = FULL, *, filter: str) -> Filtered:
     """float32 logits [R, V] and per-row settings [R] -> `Filtered`: temperature, then top-k, then top-p over
-    the tempered distribution (transformers' order). When every sampled row has top_k in [1, K]
-    (candidate_filter.py) the cuts come from each row's K largest logits, else from the radix search; both
-    are exact, so which one ran does not change the result. A greedy row (temperature 0) is filtered at
-    temperature 1; its result is not used. Under a sharded `vocab` (logits this device's slice) the radix
-    search always runs, its counts and sums over the whole vocabulary."""
-    greedy = temperature <= 0
+    the tempered distribution (transformers' order). filter (static, one of FILTERS): "candidates" takes the
+    cuts from each row's K largest logits, exact for rows with top_k in [1, K] (candidate_filter.py);
+    "radix" runs the radix search, exact for any settings. Each is one program without a branch. A greedy
+    row (temperature 0) is filtered at temperature 1; its result is not used. Under a sharded `vocab` (logits
+    this device's slice) only "radix" is taken, its counts and sums over the whole vocabulary: the candidate
+    filter's top-k is per device."""
+    if filter not in FILTERS:
+        raise ValueError(f"filter must be one of {FILTERS}, got {filter!r}")
+    if filter == "candidates" and vocab.shards is not None:
+        raise ValueError("filter 'candidates' is per device: a vocabulary split over a mesh takes 'radix'")
     x = tempered(logits, temperature)
-    if vocab.shards is not None:
-        return Filtered(x, *radix_filter(x, top_k, top_p, vocab), vocab=vocab)
-    from_candidates, exact = candidate_filter.filter_rows(x, top_k, top_p)
-    # One program for every mix of settings: the radix search runs only when a sampled row needs it.
-    needs_radix = jnp.any(~greedy & ~exact)
-    return Filtered(x, *jax.lax.cond(needs_radix, lambda: radix_filter(x, top_k, top_p), lambda: from_candidates))
+    if filter == "candidates":
+        return Filtered(x, *candidate_filter.filter_rows(x, top_k, top_p))
+    return Filtered(x, *radix_filter(x, top_k, top_p, vocab), vocab=vocab)
 
 
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   vocab: Vocab = FULL) -> jax.Array:
+                   vocab: Vocab = FULL, *, filter: str) -> jax.Array:
     """float32 logits [..., V] and per-row settings [...] -> the filtered, renormalised distribution [..., V]
     (`filter_rows`)."""
     shape = logits.shape
     t, k, p = (jnp.broadcast_to(x, shape[:-1]).reshape(-1) for x in (temperature, top_k, top_p))
-    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p, vocab).probs().reshape(shape)
+    return filter_rows(logits.reshape(-1, shape[-1]), t, k, p, vocab, filter=filter).probs().reshape(shape)
 
 
 def on_vocabulary(probs: jax.Array, ids: jax.Array, vocab_size: int, vocab: Vocab = FULL) -> jax.Array:

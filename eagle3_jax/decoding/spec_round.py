@@ -4,10 +4,11 @@ scan of rounds.
 Invariants, per row b:
   * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
     is `last_token` and is not in any cache yet;
-  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < n, at positions t, so its length is n
-    too; `draft_hidden` is the drafter's pre-norm output at position n - 1, from which d_1 comes;
+  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
+    drafter's pre-norm output at position m - 1, from which d_1 comes. m = n, except after gamma-0 calls that
+    held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that drafts starts at m = n;
   * a row that is done is frozen: nothing it owns changes any more.
-A round with gamma = 0 and no drafter is a plain decoding step.
+A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` keeps the drafter's pairs).
 
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
 settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
@@ -40,6 +41,16 @@ from eagle3_jax.parallel.collectives import Shards, Vocab
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HeldPairs:
+    """The pairs (g_t, x_{t+1}) committed by gamma-0 calls that did not bring the drafter up to date: row b
+    holds target_cache.lengths - draft_cache.lengths of them, from position draft_cache.lengths on."""
+
+    features: jax.Array  # [B, H, C] the target's features g_t
+    tokens: jax.Array  # [B, H] int32 x_{t+1}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     target_cache: KVCache
     draft_cache: KVCache | None
@@ -50,6 +61,7 @@ class DecodeState:
     stop_ids: jax.Array  # [B, P] int32 padded with -1
     done: jax.Array  # [B] bool
     sampling: sampling_lib.SamplingParams | None = None  # per-row settings; None in a greedy build
+    held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +75,17 @@ class StepSpec:
     kernels: str  # see eagle3_jax/models/kernels.py
     sampling: bool = False  # rows may sample (DecodeState.sampling); False: every row is greedy
     proposal: str = "argmax"  # how sampled rows draft: "argmax" (q one-hot) or "sample" (x ~ q)
+    # Which exact search finds a sampling build's top-k / top-p cuts (sampling.FILTERS): "candidates" only
+    # when every sampled row's top_k is in [1, 64] (sampling.filter_for), "radix" for any settings.
+    filter: str = "radix"
     # The target's decode and verify steps on the EXACT kernels: a token's logits are bit-identical
     # whether it is verified among gamma + 1 or decoded alone (eagle3_jax/models/kernels.py).
     exact: bool = False
+    # The pairs gamma-0 calls may hold back from the drafter (DecodeState.held): 0, or at least a call's rounds.
+    held: int = 0
+    # Whether a gamma-0 call with a drafter brings it up to date at its end (else it holds the call's pairs;
+    # the host flushes before the held pairs would overflow and before any call that drafts).
+    flush: bool = True
     # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
     tp: Shards | None = None
 
@@ -117,7 +137,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
     first = vocab.argmax(logits)
     if spec.sampling:
         s = sampling
-        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab)
+        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
     draft_cache = draft_hidden = None
@@ -131,6 +151,10 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels, spec.tp)
         draft_hidden = out[rows, prompt_lengths - 1]
         draft_cache = draft_cache.with_lengths(prompt_lengths)
+    held = None
+    if spec.held:
+        held = HeldPairs(jnp.zeros((B, spec.held, spec.drafter.feature_width), dtype),
+                         jnp.zeros((B, spec.held), jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = DecodeState(
         target_cache=cache.with_lengths(prompt_lengths),
@@ -142,6 +166,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         stop_ids=request.stop_ids,
         done=prompt_lengths >= spec.max_len,  # no room for even one token
         sampling=sampling,
+        held=held,
     )
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
@@ -168,7 +193,7 @@ def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
     s = state.sampling
 
     def propose(logits, step):
-        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p)
+        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, filter=spec.filter)
         drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
         return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
 
@@ -187,7 +212,8 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     s = state.sampling
     B, rows, V = logits.shape
     p = sampling_lib.filter_rows(logits.reshape(B * rows, V),
-                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)), vocab)
+                                 *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)), vocab,
+                                 filter=spec.filter)
     # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
     # 0 for every other target token.
     draft_ids = (None if draft_q is None
@@ -199,7 +225,14 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
 
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     """Draft gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
-    for sampled rows), commit by index, rebuild."""
+    for sampled rows), commit by index, rebuild. With gamma 0 and a drafter, the drafter is left as it was:
+    `spec_rounds` holds the round's pair for it and a flushing call brings it up to date."""
+    new_state, packed, _ = _round(tparams, dparams, state, spec)
+    return new_state, packed
+
+
+def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
+    """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None)."""
     n = state.target_cache.lengths
     B, G = n.shape[0], spec.gamma
     embed = draft_q = None
@@ -246,13 +279,57 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
         )
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
-    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done)
+    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done), features
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 4]
+    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 6]
     (round_output.py)).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
-    Rounds after a row is done leave it unchanged, as a single round does."""
-    return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
+    Rounds after a row is done leave it unchanged, as a single round does.
+    With gamma 0 and a drafter the rounds are plain steps: their pairs join the held ones, and a flushing
+    call (`StepSpec.flush`) then brings the drafter up to date over all of them (`_catch_up`)."""
+    if spec.gamma > 0 or spec.drafter is None:
+        return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
+    if spec.held < num_rounds:
+        raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
+                         f"must be at least that, got {spec.held}")
+
+    def plain(s, _):
+        new, packed, features = _round(tparams, dparams, s, spec)
+        return new, (packed, features[:, 0], new.last_token)
+
+    end, (packed, features, tokens) = jax.lax.scan(plain, state, None, length=num_rounds)
+    behind = state.target_cache.lengths - state.draft_cache.lengths  # [B] pairs held before this call
+    rows = jnp.arange(behind.shape[0])[:, None]
+    at = behind[:, None] + jnp.arange(num_rounds)[None, :]  # a frozen row's extra pairs land past its count
+    held = HeldPairs(state.held.features.at[rows, at].set(jnp.swapaxes(features, 0, 1), mode="drop"),
+                     state.held.tokens.at[rows, at].set(tokens.T, mode="drop"))
+    end = dataclasses.replace(end, held=held)
+    return _catch_up(tparams, dparams, end, packed, spec) if spec.flush else (end, packed)
+
+
+def _catch_up(tparams, dparams, state: DecodeState, packed, spec: StepSpec):
+    """The drafter's rebuild over every held pair, in one pass: it reads its weights once per flush instead of
+    once per round. The same pass gives each held round's would-be first draft d_1 for the price of its
+    lm_head; the last round's shadow columns count, per row, the held pairs whose token equals it (a sampled
+    row's token equals an argmax draft d with probability p(d), the chance the round would have accepted it)
+    and the held pairs. Entries past a row's count are stale and ignored (`with_lengths`)."""
+    embed = dparams.get("embed", tparams["embed"])
+    start = state.draft_cache.lengths
+    count = state.target_cache.lengths - start  # [B] held pairs
+    h = drafter_lib.project_features(dparams, spec.drafter, state.held.features)
+    out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, state.held.tokens, state.draft_cache,
+                                           spec.kernels)
+    rows = jnp.arange(count.shape[0])
+    before = jnp.concatenate([state.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each pair's d_1 is from
+    matched = drafter_lib.draft_token(dparams, spec.drafter, before) == state.held.tokens
+    valid = jnp.arange(spec.held)[None, :] < count[:, None]
+    caught_up = dataclasses.replace(
+        state,
+        draft_cache=draft_cache.with_lengths(state.target_cache.lengths),
+        draft_hidden=jnp.where((count > 0)[:, None], out[rows, jnp.maximum(count - 1, 0)], state.draft_hidden),
+    )
+    shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)
+    return caught_up, packed.at[-1, :, -2:].set(shadow)

@@ -10,13 +10,24 @@ step, and never computing all E experts:
     choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
   * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
     (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
-    weights a grouped GEMM streams is its lowering's business: an H200 probe (BENCHMARKS.md) put XLA's near the
-    cost of reading every expert at one token, hence the gathered path for few tokens (by 32 tokens,
-    113 of 128 experts are routed to anyway). `bench --model qwen3-30b-a3b` times every path, and others.
+    weights a grouped GEMM streams is its lowering's business: on the stored [E, out, in] layout XLA's
+    costs about what reading every expert does, whatever the token count (figures below).
   * `experts_kernel` (few tokens, GPU): the gathered path's arithmetic in pallas_kernels.moe_experts,
     which streams each routed expert's weights once from where they are stored, with no gathered copy.
 `moe_mlp` picks one by the static token count M = B T and the kernels (`choose_path`). `moe_reference`
 (all experts, dense) is the tests' oracle only.
+
+Where the paths cross (H200, jax 0.11.2, 2026-12-02: 8 MoE layers of Qwen3-30B-A3B, bf16, random routing,
+ms; `bench --model qwen3-30b-a3b --experts-only`):
+    tokens      1     2     4     8    16    32
+    kernel    0.46  0.76  1.21  2.07  3.26  4.62   (the down stage in one group of slots)
+    gathered  0.48  2.56  2.01  3.80  7.37  7.46
+    grouped   7.46  7.51  7.58  7.82  8.22  9.04
+The kernel is fastest at every count, and gathered beats grouped at every one (grouped on the stored layout
+pays about 7.5 ms per 8 layers at any count). These counts cover a decode or verify step of up to batch 8 x
+4 tokens and hold no crossover, so both thresholds below are the largest count measured (64 tokens is timed
+by the bench's experts section). At 32 tokens the gathered copy is nearly every expert of a layer (about
+1.2 GB, transient, one layer at a time).
 """
 
 from __future__ import annotations
@@ -31,24 +42,44 @@ import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import MoeConfig
 
-# At most this many tokens per step take the gathered path. An H200 probe at Qwen3-30B-A3B shapes
-# (random routing, 48 MoE layers) measured gather-then-einsum faster than ragged_dot at 1 and 4
-# tokens (4.4 / 11.4 ms against 15.9 / 17.3) and slower from 8 (20.7 against 18.2).
-GATHER_MAX_TOKENS = 4
-# With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (it reads each
-# routed expert once, like the gathered path, without the gathered copy); past it the grouped path.
-KERNEL_MAX_TOKENS = 16
+# At most this many tokens per step take the gathered path with XLA's kernels, the grouped one past them
+# (gathered measured faster at 1 to 32 tokens: the table above).
+GATHER_MAX_TOKENS = 32
+# With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (fastest at 1 to
+# 32 tokens: the table above; it takes up to 64 rows); past it the XLA path.
+KERNEL_MAX_TOKENS = 32
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
+          select: str = "rank") -> tuple[jax.Array, jax.Array]:
     """x [M, D] -> (weights [M, k] in x's dtype, expert ids [M, k] int32), as transformers routes: logits
-    in x's dtype, softmax in float32, top-k of the probabilities, renormalised when `normalize`."""
+    in x's dtype, softmax in float32, top-k of the probabilities, renormalised when `normalize`. select: how
+    the top k are found, "rank" (top_k_ranked, no sort) or "sort" (lax.top_k); both the same ids in the same
+    order, ties to the lower index."""
     logits = jnp.einsum("md,ed->me", x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    weights, ids = TOP_K[select](probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def top_k_ranked(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(values [M, E], k) without a sort: an entry's rank is how many entries are greater, or equal
+    at a lower index (lax.top_k's order: descending, ties to the lower index), and the entries of rank
+    0 .. k-1 are the top k in order. E^2 comparisons per row, a few elementwise-and-reduce kernels where a
+    GPU sort of 128 entries is a launch of its own (an H200 measured the router's sort at 3.2 us a layer)."""
+    E = values.shape[-1]
+    index = jnp.arange(E)
+    a, b = values[:, :, None], values[:, None, :]  # [M, e, j]: entry e against entry j
+    ahead = (b > a) | ((b == a) & (index[None, None, :] < index[None, :, None]))
+    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)  # [M, E], a permutation of 0 .. E-1
+    chosen = rank[:, None, :] == jnp.arange(k)[None, :, None]  # [M, k, E]: one entry each
+    ids = jnp.sum(jnp.where(chosen, index, 0), axis=-1)
+    return jnp.sum(jnp.where(chosen, values[:, None, :], 0), axis=-1).astype(values.dtype), ids
+
+
+TOP_K = {"rank": top_k_ranked, "sort": jax.lax.top_k}
 
 
 def _swiglu(h: jax.Array) -> jax.Array:
@@ -59,12 +90,23 @@ def _swiglu(h: jax.Array) -> jax.Array:
 def routed_slots(weights: jax.Array, ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """Routing [M, k] -> (slots [S], combine [M, S]): the S = min(M k, E) distinct ids, padded with E (no
     expert), and each token's weight on each slot (zero where it did not choose it). One token's k choices
-    are distinct already: its slots are its ids as routed (no sort); more tokens' are sorted (jnp.unique)."""
+    are distinct already: its slots are its ids as routed; more tokens' are in ascending order (distinct_ids)."""
     M, k = ids.shape
     if M == 1:
         return ids[0], weights
-    slots = jnp.unique(ids.reshape(-1), size=min(M * k, num_experts), fill_value=num_experts)
+    slots = distinct_ids(ids, num_experts, min(M * k, num_experts))
     return slots, jnp.einsum("mk,mks->ms", weights, (ids[:, :, None] == slots).astype(weights.dtype))
+
+
+def distinct_ids(ids: jax.Array, num_experts: int, size: int) -> jax.Array:
+    """jnp.unique(ids, size=size, fill_value=num_experts) without a sort: the experts routed to in ascending
+    order, then num_experts; an expert's place is how many routed experts have a lower id (comparisons over
+    E x E, fused elementwise-and-reduce kernels where a GPU sort is a launch of its own)."""
+    experts = jnp.arange(num_experts, dtype=ids.dtype)
+    present = jnp.any(ids.reshape(-1, 1) == experts, axis=0)  # [E]
+    place = jnp.sum(present[None, :] & (experts[None, :] < experts[:, None]), axis=1)  # [E]
+    hit = present[None, :] & (place[None, :] == jnp.arange(size)[:, None])  # [size, E]: one expert or none
+    return jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, experts, 0), axis=1), num_experts)
 
 
 def experts_gathered(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,

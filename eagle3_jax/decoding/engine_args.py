@@ -1,0 +1,71 @@
+"""Engine's constructor arguments, checked before anything is allocated: each a clear ValueError naming the
+argument and what it takes."""
+
+from __future__ import annotations
+
+from eagle3_jax.decoding.request import is_int
+from eagle3_jax.models import kernels as kernels_lib
+
+DEFAULT_MAX_LEN = 2048  # Engine(max_len=None)'s capacity, where the target's limit allows it
+DEFAULT_MAX_DRAFT_TOKENS = 3  # num_draft_tokens="auto" chooses among gamma 0 .. this by default
+MAX_AUTO_DRAFT_TOKENS = 16  # "auto" compiles a step per gamma: more would mostly compile steps never chosen
+
+
+def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens) -> tuple[int, bool]:
+    """(the gamma, or under "auto" the largest gamma; whether it is "auto"). The int itself is checked by
+    `check_sizes`."""
+    if isinstance(num_draft_tokens, str):
+        if num_draft_tokens != "auto":
+            raise ValueError(f"num_draft_tokens must be an int or 'auto', got {num_draft_tokens!r}")
+        if not has_drafter:
+            raise ValueError("num_draft_tokens='auto' chooses how many tokens the drafter drafts: it needs a drafter")
+        G = DEFAULT_MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens
+        if not is_int(G) or not 1 <= G <= MAX_AUTO_DRAFT_TOKENS:
+            raise ValueError(f"max_draft_tokens must be None or an int in [1, {MAX_AUTO_DRAFT_TOKENS}], "
+                             f"got {max_draft_tokens!r}")
+        return int(G), True
+    if max_draft_tokens is not None:
+        raise ValueError(f"max_draft_tokens is for num_draft_tokens='auto'; with num_draft_tokens="
+                         f"{num_draft_tokens!r} leave it None (got {max_draft_tokens!r})")
+    return (int(num_draft_tokens) if is_int(num_draft_tokens) else num_draft_tokens), False
+
+
+def check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:
+    """Engine's int arguments, each an int (a numpy integer too, never a bool) in its range; returns
+    max_len, None resolved to the default that fits the target."""
+    limit = cfg.max_position_embeddings
+    max_len = min(DEFAULT_MAX_LEN, limit) if max_len is None else max_len
+    if not is_int(max_len) or not 2 <= max_len <= limit:
+        raise ValueError(f"max_len must be None or an int in [2, max_position_embeddings={limit}], got {max_len!r}")
+    least = 1 if has_drafter else 0
+    if not is_int(num_draft_tokens) or num_draft_tokens < least:
+        raise ValueError(f"num_draft_tokens must be an int >= {least}{' with a drafter' if has_drafter else ''}, "
+                         f"got {num_draft_tokens!r}")
+    # More rounds than max_len can never emit a token: every round emits one per live row.
+    if not is_int(rounds_per_call) or not 1 <= rounds_per_call <= max_len:
+        raise ValueError(f"rounds_per_call must be an int in [1, max_len={max_len}], got {rounds_per_call!r}")
+    return int(max_len)
+
+
+def check_exact(cfg, exact) -> None:
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be a bool, got {exact!r}")
+    if not exact:
+        return
+    if not kernels_lib.pallas_attention_supports(cfg.head_dim):
+        raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), got {cfg.head_dim}")
+    if cfg.moe is not None:
+        raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
+    _exact_shapes(cfg)
+
+
+def _exact_shapes(cfg) -> None:
+    """exact=True's matmul (pallas_kernels/skinny_matmul.py) needs every target weight's output size to be a
+    multiple of 16 and its input size at least 16."""
+    D, H, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    outputs = {"q/k/v": (cfg.num_heads + 2 * cfg.num_kv_heads) * H, "o": D, "gate/up": 2 * I, "down": D,
+               "lm_head": cfg.vocab_size}
+    bad = [f"{name} {n}" for name, n in outputs.items() if n % 16] + [
+        f"input {k}" for k in (D, cfg.num_heads * H, I) if k < 16]
+    if bad:
+        raise ValueError(f"exact=True needs target weights with outputs a multiple of 16 and inputs >= 16: {bad}")

@@ -1,0 +1,175 @@
+"""What one call of rounds costs for each gamma 0 .. G, by batch size and KV length, measured on this device
+and cached on disk: the cost side of the gamma policy (gamma_policy.py).
+
+A table holds, per batch size, the seconds of one call at a few KV lengths (`grid_lengths`), for every
+gamma; between lengths it is interpolated linearly (attention's cost grows about linearly in the length;
+the weights' cost does not move). Gamma 0's entry is the mean over a cycle of gamma_policy.FLUSH_CALLS
+calls, one of which brings the drafter up to date (Engine.time_call). A batch size is measured the first time
+a request runs at it (the engine compiles every gamma of that batch size then anyway), or ahead by
+`eagle3-jax bench --calibrate` or Engine.compile.
+
+Where it lives: round_costs/<key>.json beside jax's compilation cache folder (its parent, so
+~/.cache/eagle3_jax/round_costs for the CLI's default cache), or in ~/.cache/eagle3_jax/round_costs when no
+compilation cache is set. The key hashes everything a call's cost depends on: the step configuration (target
+and drafter configs, dtype, kernels, exact, max_len, sampling build, proposal, the held pairs' room), rounds
+per call, the gammas, the device kind and the jax, jaxlib and eagle3_jax versions. What the key cannot see
+(another process on the GPU, a changed clock or driver) is caught by a spot check: the first use of a stored
+batch size in a process times its costliest entry again, and a result off by more than STALE_RATIO from the
+stored one re-measures that batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STALE_RATIO = 1.25  # a spot check this far off the stored cost (either way) re-measures the batch size
+TIMED_CALLS = 3  # per entry, after one untimed call
+
+
+def margin(rounds_per_call: int, max_gamma: int) -> int:
+    """The KV positions the calls timing one entry can advance a row by (`time_calls`), and one to spare."""
+    return (TIMED_CALLS + 1) * rounds_per_call * (max_gamma + 1) + 1
+
+
+def grid_lengths(max_len: int, room: int) -> list[int]:
+    """The KV lengths a batch size is measured at: short, half and nearly full, each leaving `room`
+    positions (`margin`) for the calls that time it."""
+    top = max(1, max_len - room)
+    return sorted({max(1, min(top, x)) for x in (max_len // 16, max_len // 2, top)})
+
+
+def cache_key(fields: dict) -> str:
+    """A short hash of what a call's cost depends on (`fields`, any JSON-able dict) and of this machine's
+    device kind and jax, jaxlib and eagle3_jax versions."""
+    full = {**fields, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "jaxlib": importlib.metadata.version("jaxlib"), "eagle3_jax": _version()}
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=repr).encode()).hexdigest()[:20]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("eagle3-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
+
+
+def default_folder() -> Path:
+    """round_costs beside jax's compilation cache folder, else in the user's cache folder."""
+    compile_cache = jax.config.jax_compilation_cache_dir
+    if compile_cache:
+        return Path(compile_cache).expanduser().parent / "round_costs"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "round_costs"
+
+
+TimeCall = Callable[[int, int, int], float]  # (batch, KV length, gamma) -> seconds per call of rounds
+
+
+class RoundCosts:
+    """Seconds per call of rounds for each gamma, by batch size and KV length. What is missing is measured
+    through `time_call(batch, length, gamma)` (the engine's: it runs calls of that gamma on a dummy pool of
+    `batch` rows at that KV length and returns seconds per call)."""
+
+    def __init__(self, key: str, folder: Path | None, lengths: list[int], num_gammas: int):
+        self.path = None if folder is None else Path(folder) / f"{key}.json"
+        self.lengths, self.num_gammas = list(lengths), num_gammas
+        self._table: dict[int, np.ndarray] = {}  # batch -> seconds [len(lengths), num_gammas], checked
+        self.measured: list[int] = []  # the batch sizes this object measured (not loaded)
+
+    def seconds(self, batch: int, length: float, time_call: TimeCall) -> np.ndarray:
+        """A call's seconds for each gamma [num_gammas] at `batch` rows and KV `length` (interpolated)."""
+        table = self.table(batch, time_call)
+        return np.array([np.interp(length, self.lengths, table[:, g]) for g in range(self.num_gammas)])
+
+    def table(self, batch: int, time_call: TimeCall) -> np.ndarray:
+        """The seconds [len(lengths), num_gammas] of a batch size: from memory, from disk (spot-checked), or
+        measured now and stored."""
+        if batch not in self._table:
+            stored = self._load().get(str(batch))
+            fresh = stored is not None and self._fresh(batch, stored, time_call)
+            self._table[batch] = stored if fresh else self._measure(batch, time_call)
+        return self._table[batch]
+
+    def _fresh(self, batch: int, stored: np.ndarray, time_call: TimeCall) -> bool:
+        """Whether the costliest stored entry still times within STALE_RATIO of what is stored."""
+        at, gamma = np.unravel_index(np.argmax(stored), stored.shape)
+        ratio = time_call(batch, self.lengths[at], int(gamma)) / stored[at, gamma]
+        return 1 / STALE_RATIO <= ratio <= STALE_RATIO
+
+    def _measure(self, batch: int, time_call: TimeCall) -> np.ndarray:
+        table = np.array([[time_call(batch, length, g) for g in range(self.num_gammas)] for length in self.lengths])
+        self.measured.append(batch)
+        if self.path is not None:
+            self._store(batch, table)
+        return table
+
+    def _store(self, batch: int, table: np.ndarray) -> None:
+        """Adds a batch size's table to the file; a folder that cannot be written leaves it in memory only."""
+        stored = self._load()
+        stored[str(batch)] = table
+        document = {"lengths": self.lengths, "seconds": {b: t.tolist() for b, t in stored.items()}}
+        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(json.dumps(document, indent=1))
+            temporary.replace(self.path)  # atomic: a concurrent reader sees the old file or the new one
+        except OSError:
+            return
+
+    def _load(self) -> dict[str, np.ndarray]:
+        """The stored tables by batch size; a missing, unreadable or differently shaped file holds none."""
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            document = json.loads(self.path.read_text())
+            if document["lengths"] != self.lengths:
+                return {}
+            shape = (len(self.lengths), self.num_gammas)
+            tables = {b: np.asarray(t, float) for b, t in document["seconds"].items()}
+            return {b: t for b, t in tables.items() if t.shape == shape and np.all(t > 0)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+
+def timing_pool(state, length: int, vocab_size: int, max_len: int):
+    """A pool state (spec_round.DecodeState, e.g. slots.empty's) turned into one whose every row is live at
+    KV `length`, with random newest tokens (so that expert routing spreads as real text's does), no stop ids
+    and room to run to max_len: what a timed call runs on. The caches' entries stay zeros: a call's cost
+    does not depend on their values."""
+    B = state.done.shape[0]
+
+    def lengths():  # one buffer per use: the call donates each
+        return jnp.full((B,), length, jnp.int32)
+
+    return dataclasses.replace(
+        state,
+        target_cache=state.target_cache.with_lengths(lengths()),
+        draft_cache=None if state.draft_cache is None else state.draft_cache.with_lengths(lengths()),
+        last_token=jax.random.randint(jax.random.key(length), (B,), 0, vocab_size, jnp.int32),
+        num_generated=jnp.zeros((B,), jnp.int32),
+        max_new=jnp.full((B,), max_len, jnp.int32),
+        stop_ids=jnp.full(state.stop_ids.shape, -1, jnp.int32),
+        done=jnp.zeros((B,), bool),
+    )
+
+
+def time_calls(run_call: Callable, state, calls: int = TIMED_CALLS) -> float:
+    """Seconds per call of `run_call(state) -> (state, packed)`: one untimed call first (it compiles, on
+    first use), then `calls` back to back, timed to the last one's output."""
+    state, packed = run_call(state)
+    jax.block_until_ready(packed)
+    start = time.perf_counter()
+    for _ in range(calls):
+        state, packed = run_call(state)
+    jax.block_until_ready(packed)
+    return (time.perf_counter() - start) / calls
