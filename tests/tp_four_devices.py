@@ -59,7 +59,7 @@ def world(tmp_path_factory):
         out["model:" + kind], out[kind] = worlds.save_target(kind, root / kind, layers=LAYERS)
         out["folders"][kind] = root / kind
     out["drafter"] = worlds.save_drafter("random2", root / "drafter", out["random2"])[2]
-    out["two_processes"] = start_two_processes(root / "random2", root / "drafter")
+    out["two_processes"] = start_two_processes(root, root / "random2", root / "drafter")
     out["pi2"] = worlds.save_drafter("pi2", root / "pi2", out["permutation"])[2]
     for name in MOE:
         model = build_moe_model(name, seed=5, num_layers=LAYERS, vocab=worlds.V, hidden=worlds.D)
@@ -69,21 +69,27 @@ def world(tmp_path_factory):
     out["own_embed"] = oracle.write_specforge(root / "own_embed", worlds.RANDOM_SPEC,
                                               oracle.random_drafter_state(worlds.RANDOM_SPEC, 4), embed=embed)
     yield out
-    for proc in out["two_processes"]:  # a failed test leaves them running
+    for proc, _ in out["two_processes"]:  # a failed test leaves them running
         proc.kill()
 
 
-def start_two_processes(target, drafter) -> list[subprocess.Popen]:
-    """tests/tp_two_processes.py as processes 0 and 1 of one CPU device each (the 4-device flag dropped)."""
+def start_two_processes(root: Path, target, drafter) -> list[tuple[subprocess.Popen, Path]]:
+    """tests/tp_two_processes.py as processes 0 and 1 of one CPU device each (the 4-device flag dropped), each
+    with its output file under root (a pipe nobody reads until the last test could fill and stall it)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=4", "")
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     args = [str(target), str(drafter), str(MAX_LEN), str(NEW), json.dumps(PROMPTS), json.dumps(SAMPLING)]
-    return [subprocess.Popen([sys.executable, "tests/tp_two_processes.py", str(i), str(port), *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-            for i in range(2)]
+    started = []
+    for i in range(2):
+        log = root / f"process{i}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "tests/tp_two_processes.py", str(i), str(port), *args],
+                                    stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        started.append((proc, log))
+    return started
 
 
 def cached(world, key, compute):
@@ -385,7 +391,9 @@ def test_two_processes_decode_as_one(world):
     each loads its shard of the dense target, and both emit the one-process engine's tokens, speculating for
     seeded sampled rows (a greedy row beside them), seed for seed."""
     expected = [r.token_ids for r in unsharded_sampled(world)]
-    for proc in world["two_processes"]:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == expected
+    for proc, log in world["two_processes"]:
+        proc.wait(timeout=300)
+        out = log.read_text()
+        assert proc.returncode == 0, out[-3000:]
+        printed = [line for line in out.splitlines() if line.startswith("[")]  # the tokens; the rest is logging
+        assert printed and json.loads(printed[-1]) == expected, out[-3000:]
