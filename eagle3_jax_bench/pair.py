@@ -5,7 +5,8 @@ its tau, and what that tau would buy at Qwen3-8B shapes.
 
 * end to end: Engine.generate on the pair's held-out demo prompts, the first lines of library modules (batch 1:
   each prompt alone; batch 8: eight together), spec off and at each gamma, after a warm-up request of the
-  same shapes; tokens/s and tau.
+  same shapes; tokens/s and tau. --auto adds num_draft_tokens="auto" (max_draft_tokens: the largest gamma) against
+  the best fixed gamma in hindsight, with the gammas its rounds ran.
 * projection: at Qwen3-8B shapes (random bf16 weights, 1024 cached tokens, batch 1) the spec-off step and the
   gamma-3 round are timed as the engine runs them (eagle3_jax_bench/dense.py); the speedup this pair's tau would give
   there is tau x step / round. --tiny uses dense.py's tiny plan instead (a CPU dry run).
@@ -31,27 +32,34 @@ from . import dense
 from .core import Run, versions
 
 
-def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8)) -> list[dict]:
+def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8), auto: bool = False) -> list[dict]:
     rows = []
     max_len = max(len(p) for p in prompts) + max_new + max(gammas) + 2
     for batch in batches:
         groups = [[p] for p in prompts[:4]] if batch == 1 else [prompts[:8]]
-        for gamma in (0,) + tuple(gammas):
+        for gamma in (0,) + tuple(gammas) + (("auto",) if auto else ()):
             engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 3,
-                                       max_len=max_len)
-            tokens, seconds, accepts = 0, 0.0, []
+                                       max_len=max_len, **({"max_draft_tokens": max(gammas)} if auto and
+                                                           gamma == "auto" else {}))
+            tokens, seconds, accepts, used = 0, 0.0, [], []
             for group in groups:
                 results, s = timed_generate(engine, group, max_new, stops)
                 tokens += sum(len(r.token_ids) for r in results)
                 seconds += s
                 accepts += [a for r in results for a in r.accept_lengths]
+                used += [g for r in results for g in r.gammas]
             row = {"batch": batch, "gamma": gamma, "tokens": tokens, "seconds": seconds,
                    "tokens_per_s": tokens / seconds, "tau": float(np.mean(accepts) + 1) if accepts else None}
+            if gamma == "auto":
+                row["rounds_by_gamma"] = {str(g): used.count(g) for g in range(max(gammas) + 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:
-        off = next(r for r in rows if r["batch"] == row["batch"] and r["gamma"] == 0)
-        row["speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
+        same = [r for r in rows if r["batch"] == row["batch"]]
+        row["speedup"] = row["tokens_per_s"] / next(r for r in same if r["gamma"] == 0)["tokens_per_s"]
+        if row["gamma"] == "auto":
+            best = max((r for r in same if r["gamma"] != "auto"), key=lambda r: r["tokens_per_s"])
+            row.update(best_fixed_gamma=best["gamma"], vs_best_fixed=row["tokens_per_s"] / best["tokens_per_s"])
     return rows
 
 
@@ -78,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), default=[1, 8])
     parser.add_argument("--tiny", action="store_true", help="the projection at dense.py's tiny plan (CPU dry run)")
+    parser.add_argument("--auto", action="store_true", help='also num_draft_tokens="auto" against the best fixed gamma')
     args = parser.parse_args(argv)
     if 3 not in args.gammas:
         parser.error("--gammas must include 3: the projection is at gamma 3")
@@ -89,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": jax.devices()[0].device_kind, "versions": versions(), "dtype": args.dtype,
                "max_new_tokens": args.max_new_tokens}
     results["end_to_end"] = end_to_end(target, drafter, prompts, args.gammas, args.max_new_tokens,
-                                       eos_stop_ids(tokenizer), tuple(args.batches))
+                                       eos_stop_ids(tokenizer), tuple(args.batches), args.auto)
     tau3 = next(r["tau"] for r in results["end_to_end"] if r["batch"] == args.batches[0] and r["gamma"] == 3)
     results["projection"] = projection(tau3, args.tiny)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -130,9 +130,12 @@ def test_accept_lengths_count_the_drafts_a_cut_round_commits(pair, demo_prompts)
 
 def test_pair_bench_dry_run(tmp_path):
     assert pair_bench.main(["--out", str(tmp_path), "--tiny", "--dtype", "float32", "--gammas", "3",
-                            "--max-new-tokens", "6", "--batches", "8"]) == 0
+                            "--max-new-tokens", "6", "--batches", "8", "--auto"]) == 0
     results = json.loads((tmp_path / "pair_bench.json").read_text())
-    assert {(r["batch"], r["gamma"]) for r in results["end_to_end"]} == {(8, 0), (8, 3)}
+    assert {(r["batch"], r["gamma"]) for r in results["end_to_end"]} == {(8, 0), (8, 3), (8, "auto")}
+    auto = next(r for r in results["end_to_end"] if r["gamma"] == "auto")
+    assert auto["best_fixed_gamma"] in (0, 3) and auto["vs_best_fixed"] > 0
+    assert sum(auto["rounds_by_gamma"].values()) > 0
     assert results["projection"]["projected_speedup"] > 0
 
 
