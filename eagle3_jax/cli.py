@@ -96,6 +96,11 @@ def _generate(args) -> int:
         raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
     if args.num_draft_tokens == "auto" and args.tp != 1:
         raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
+    from eagle3_jax.decoding.engine_args import MAX_AUTO_DRAFT_TOKENS
+
+    if args.max_draft_tokens is not None and not 1 <= args.max_draft_tokens <= MAX_AUTO_DRAFT_TOKENS:
+        raise SystemExit(f"error: --max-draft-tokens must be in [1, {MAX_AUTO_DRAFT_TOKENS}], "
+                         f"got {args.max_draft_tokens}")
     import jax
 
     import eagle3_jax

@@ -9,8 +9,9 @@ load nothing.
 
 Two pallas_calls, neither with atomics:
   1. grid (slot, block of I): the program streams its expert's gate and up rows [block_i, D] once and
-     writes SwiGLU(x gate^T, x up^T) for every row: h [S, M, I] in x's dtype (a few KiB per slot; rounded
-     as the gathered path rounds it, and half the shared memory of float32 in stage 2's pipeline).
+     writes SwiGLU(x gate^T, x up^T) for every row: h [S, M, I] in x's dtype (a few KiB per slot; the
+     SwiGLU in float32, rounded once, where the gathered path rounds gate and up first; half the shared memory
+     of float32 in stage 2's pipeline).
   2. grid (block of D, group of slots): the program walks its group's real slots in order, streams each
      expert's down rows [block_d, I] once and accumulates (combine[s, m] h[s, m]) down^T in float32 for
      every row. One group (down_groups=1) keeps the sum over experts inside one program and writes y in x's

@@ -203,6 +203,27 @@ def test_auto_follows_a_drafter_good_on_part_of_the_text_and_stays_lossless(worl
     assert [kind for kind, _ in engine.device_events][:6] == ["prefill", "call", "transfer", "transfer", "call", "call"]
 
 
+def test_auto_through_a_pool_of_three_holds_and_flushes_rows_of_different_ages(world):
+    """Seven prompts through 3 slots: rows finish and refill while gamma-0 calls hold pairs, so a flush catches
+    up rows that held different numbers of them. Every row follows the cycle, and every drafting round not cut
+    short accepts exactly when the arc drafter is right: its cache stayed consistent for every slot."""
+    target, drafter = world["t:permutation"], world["d:arc"]
+    order = [int(x) for x in worlds.ORDER]
+    starts, budgets = [0, 7, 20, 31, 3, 40, 15], [30, 45, 61, 25, 50, 40, 33]
+    prompts = [[order[(s - 1) % worlds.V], order[s]] for s in starts]
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=3, max_len=128,
+                               rounds_per_call=2, max_batch=3, round_costs=fixed_costs(1.0, 1.4, 1.7, 2.0))
+    results = engine.generate(prompts, budgets)
+    gammas = []
+    for prompt, start, budget, got in zip(prompts, starts, budgets, results):
+        assert got.token_ids == [order[(start + i) % worlds.V] for i in range(1, budget + 1)]
+        gammas += got.gammas
+        for previous, gamma, accepted, cut in rounds_with_starts(prompt, got):
+            if gamma and not cut:
+                assert (accepted >= 1) == (previous in worlds.ARC), (start, previous, gamma, accepted)
+    assert gammas.count(0) > 8 and len(set(gammas)) > 1, gammas  # gamma 0 held and flushed, and it drafted
+
+
 def test_auto_on_a_random_target_is_lossless_compiles_every_gamma_once_and_never_again(world):
     """Three prompts through one slot: the policy's evidence carries from one prompt to the next."""
     target, drafter = world["t:random"], world["d:unrelated"]
@@ -213,9 +234,9 @@ def test_auto_on_a_random_target_is_lossless_compiles_every_gamma_once_and_never
     engine.compile(6)
     with count_compilations() as compiles:
         got = engine.generate(prompts, 24)
-        sampled = engine.generate(prompts, 8, temperature=0.0)
+        shorter = engine.generate(prompts, 8)  # a second request, other budgets: nothing new to compile
     assert compiles.count == 0 and [g.token_ids for g in got] == [e.token_ids for e in expected]
-    assert [s.token_ids for s in sampled] == [e.token_ids[:8] for e in expected]
+    assert [s.token_ids for s in shorter] == [e.token_ids[:8] for e in expected]
     gammas = [g for r in got for g in r.gammas]
     assert gammas[0] == 1 and gammas.count(0) > len(gammas) // 2  # tried, then a plain step
     assert all(0 <= a <= g for r in got for a, g in zip(r.accept_lengths, r.gammas))

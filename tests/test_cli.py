@@ -57,7 +57,9 @@ def test_generate_with_auto_gamma(folders, capsys, tmp_path, monkeypatch):
         main(["generate", "--target", str(folders / "target"), "--num-draft-tokens", "many"])
     assert "--num-draft-tokens must be an int or 'auto', got 'many'" in capsys.readouterr().err
     for flags, message in [(["--num-draft-tokens", "auto"], "pass --drafter"),
-                           (["--max-draft-tokens", "2"], "--max-draft-tokens is for --num-draft-tokens auto")]:
+                           (["--max-draft-tokens", "2"], "--max-draft-tokens is for --num-draft-tokens auto"),
+                           (["--num-draft-tokens", "auto", "--drafter", "d", "--max-draft-tokens", "0"],
+                            r"--max-draft-tokens must be in \[1, ")]:
         with pytest.raises(SystemExit, match=message):  # before the target loads
             main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", *flags])
 

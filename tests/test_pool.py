@@ -198,3 +198,15 @@ def test_compile_runs_every_shape_a_pool_request_takes(world):
     with count_compilations() as compiles:
         engine.generate(prompts, budgets)
     assert compiles.count == 0
+
+
+def test_compile_runs_the_sampling_build_of_the_given_top_k(world):
+    """Qwen3's settings (top-k 20) run the candidate build: compile(samples=True, top_k=20) leaves it nothing to
+    compile (the default top_k=0 warms the radix build instead)."""
+    target, _ = world["random"]
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=POOL)
+    prompts, budgets = mixed_request(4)
+    engine.compile(max(len(p) for p in prompts), samples=True, top_k=20)
+    with count_compilations() as compiles:
+        engine.generate(prompts, budgets, temperature=0.6, top_k=20, top_p=0.95, seed=0)
+    assert compiles.count == 0

@@ -246,7 +246,10 @@ class Engine:
         then top-p; top_k 0 and top_p 1 mean no filter). seed None draws fresh entropy; an int in
         [0, 2**64) fixes the row's draws: with the same engine (drafter, gamma, proposal), its prompt,
         settings and seed give the same tokens whatever the other rows and whichever slot it runs in (in
-        16-bit, other rows change a step's shapes, which can move a near-tie: docs/exactness.md).
+        16-bit, other rows change a step's shapes, which can move a near-tie: docs/exactness.md). Under
+        num_draft_tokens="auto" each call's gamma follows the whole request's acceptance and the measured
+        costs, so a seed gives the same tokens only for the same request and cost table (the distribution is
+        exact either way).
         Bad values raise ValueError before any device work.
         Every token id, max_new_tokens, stop id, top_k and seed is an int (a numpy integer too; not a bool,
         not a float); a prompt is a list or tuple of them or a 1-D integer array, and prompts may be a 2-D
@@ -302,15 +305,18 @@ class Engine:
                                top_p=top_p, seed=seed)
         return ((e.prompt, e.tokens) for e in self._events(request) if e.tokens)
 
-    def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False) -> int:
+    def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False,
+                top_k: int = 0) -> int:
         """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
         longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
         waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
         each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds
         (of every gamma under "auto", whose round costs at the pool's size it also measures or loads); greedy,
-        or the sampling build when `samples`. Returns how many prefill shapes ran."""
+        or when `samples` the sampling build that rows of this `top_k` take (0: the radix build, for any
+        settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build either way). Returns how
+        many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0
-        template = self.request([[0] * longest_prompt], 1, temperature=temperature)
+        template = self.request([[0] * longest_prompt], 1, temperature=temperature, top_k=top_k)
         ops, pool = self._ops(template), self.max_batch
         state = ops.empty(pool, template)
         lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
@@ -319,7 +325,8 @@ class Engine:
         for length in lengths:
             for rows in scheduler.admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
-                state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature), drop)
+                state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature,
+                                                         top_k=top_k), drop)
                 shapes += 1
         for call in self._calls():
             state, packed = ops.rounds(state, call.gamma, call.flush)
@@ -350,7 +357,9 @@ class Engine:
                                                                                 self.num_draft_tokens))
             self._costs[build] = round_costs.RoundCosts(round_costs.cache_key(fields), round_costs.default_folder(),
                                                         lengths, len(self.gammas))
-        return self._costs[build].seconds(batch, length, lambda b, n, g: self.time_call(b, n, g, template))
+        # The table's columns are `gammas` in order: column i times gamma gammas[i].
+        return self._costs[build].seconds(batch, length,
+                                          lambda b, n, i: self.time_call(b, n, self.gammas[i], template))
 
     def _greedy_template(self) -> Request:
         return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)

@@ -7,7 +7,8 @@ Invariants, per row b:
   * the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
     drafter's pre-norm output at position m - 1, from which d_1 comes. m = n, except after gamma-0 calls that
     held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that drafts starts at m = n;
-  * a row that is done is frozen: nothing it owns changes any more.
+  * a row that is done is frozen: nothing it owns changes any more, but for a flush's catch-up, which may
+    bring the drafter cache of a row that finished while pairs were held up to date (it emits nothing).
 A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` keeps the drafter's pairs).
 
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
