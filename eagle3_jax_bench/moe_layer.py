@@ -46,7 +46,8 @@ def _ops(cfg, kernels: str, path: str) -> dict:
         return add_rms_norm(x, x, a["layer"]["mlp_norm"], eps, kernels)[1]
 
     def attention(a, x):
-        return target_lib._attention(a["layer"], cfg, x, a["cos"], a["sin"], a["k"], a["v"], a["start"], kernels)[0]
+        return target_lib._attention(a["layer"], cfg, x, a["cos"], a["sin"], a["k"], a["v"], a["start"], kernels,
+                                     None)[0]  # tp None: one device
 
     def router_topk(select):
         def op(a, x):
