@@ -103,6 +103,17 @@ def test_layout_and_dense_layers_as_configured(case):
     np.testing.assert_array_equal(tgt.params["layers"][i]["w_down"], experts.down_proj.detach().numpy())
 
 
+def decode_steps(forward, params, cfg, cache) -> list[np.ndarray]:
+    """The logits of one-token decode steps over STEPS (every prompt's next tokens, one column a step) from a
+    prefilled cache, through `forward` (target_lib.forward or a jitted copy)."""
+    step_logits = []
+    for s in range(len(STEPS[0])):
+        h, cache, _ = forward(params, cfg, jnp.array([[row[s]] for row in STEPS], jnp.int32), cache, ())
+        step_logits.append(np.asarray(target_lib.logits(params, h))[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    return step_logits
+
+
 def test_prefill_decode_and_features_match_transformers(case):
     """Prefill (9 x 3 tokens: the grouped path) and decode steps (3 tokens: the gathered path)."""
     name, model, _, tgt = case
@@ -113,11 +124,7 @@ def test_prefill_decode_and_features_match_transformers(case):
     hidden, cache, feats = forward(tgt.params, cfg, tokens, cache, capture)
     logits = target_lib.logits(tgt.params, hidden)
     cache = cache.with_lengths(lengths)
-    step_logits = []
-    for s in range(len(STEPS[0])):
-        h, cache, _ = forward(tgt.params, cfg, jnp.array([[row[s]] for row in STEPS], jnp.int32), cache, ())
-        step_logits.append(np.asarray(target_lib.logits(tgt.params, h))[:, 0])
-        cache = cache.with_lengths(cache.lengths + 1)
+    step_logits = decode_steps(forward, tgt.params, cfg, cache)
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = model(torch.tensor([prompt + STEPS[i]]), output_hidden_states=True)
@@ -338,11 +345,7 @@ def test_kernel_path_decode_matches_transformers(case, monkeypatch):
     cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
     _, cache, _ = run(tgt.params, cfg, tokens, cache, ())  # 24 rows: the grouped path
     cache = cache.with_lengths(lengths)
-    step_logits = []
-    for s in range(len(STEPS[0])):
-        h, cache, _ = run(tgt.params, cfg, jnp.array([[row[s]] for row in STEPS], jnp.int32), cache, ())
-        step_logits.append(np.asarray(target_lib.logits(tgt.params, h))[:, 0])
-        cache = cache.with_lengths(cache.lengths + 1)
+    step_logits = decode_steps(run, tgt.params, cfg, cache)
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             ref = model(torch.tensor([prompt + STEPS[i]])).logits[0].numpy()
