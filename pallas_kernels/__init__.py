@@ -55,8 +55,8 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
   - pallas_call(interpret=True) runs these kernels unchanged on the CPU through
     the generic interpreter, so every mask, split and row mapping is tested
     there (tests/test_pallas_attention.py).
-  The Triton backend works on both JAX versions the project meets: 0.10.2 (CPU,
-  tests) and 0.11.2 (H200). In 0.11 it is deprecated (a "jax-pallas-triton"
+  The Triton backend works on the JAX versions the project takes, 0.11.2 (the
+  H200's image) through 0.12 (the CPU suite): deprecated (a "jax-pallas-triton"
   DeprecationWarning at lowering) but present; passing Triton CompilerParams
   selects it although jax_pallas_use_mosaic_gpu now defaults to True. Our
   Triton-lowered calls run inside XLA's command buffers (CUDA graphs): in jax
@@ -65,12 +65,11 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
 - Tunings depend on the dtype: the defaults fill Hopper's shared memory with
   2-byte tiles, and 4-byte (float32) operands take half the keys per step
   (DecodeConfig.for_dtype, PrefillConfig.for_dtype).
-Testing the Mosaic GPU kernel: jax 0.10.2's Mosaic GPU interpreter cannot run a
-tensor-core attention step (pl.run_state, transposed and swizzled shared-memory
-refs are unsupported there). So its tiling plan and mask are plain functions
-that the CPU tests walk against the reference's visibility, the tests lower the
-whole kernel for CUDA (under jax 0.10.2 and, in make test's second venv, the GPU
-image's 0.11.2), and tests/test_gpu.py (`pytest -m gpu`) compares it with the
+Testing the Mosaic GPU kernel: jax 0.12's Mosaic GPU interpreter cannot run its
+tensor-core attention step (pipelined wgmma under pl.run_state has no CPU rule).
+So its tiling plan and mask are plain functions that the CPU tests walk against
+the reference's visibility, the tests lower the whole kernel for CUDA, and
+tests/test_gpu.py (`pytest -m gpu`) compares it with the
 reference on the GPU (prefill_attention_mgpu's docstring).
 When Triton is removed from Pallas, the decode kernel's structure (rows =
 tokens x group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.

@@ -34,9 +34,11 @@ def _kernel(*refs, eps, with_delta):
     else:
         x_ref, w_ref, normed_ref = refs
     D = x_ref.shape[0]
-    cols = jnp.arange(_common.next_power_of_2(D))  # Triton vectors have power-of-2 lengths
+    # Triton vectors have power-of-2 lengths. The columns index the row as an array (a gather that the mask
+    # keeps inside it): a static slice wider than the row is refused by jax's bounds check.
+    cols = jnp.arange(_common.next_power_of_2(D))
     in_row = cols < D
-    window = pl.ds(0, cols.shape[0])
+    window = cols
     x = pltriton.load(x_ref.at[window], mask=in_row, other=0)
     if with_delta:
         x = x + pltriton.load(delta_ref.at[window], mask=in_row, other=0)

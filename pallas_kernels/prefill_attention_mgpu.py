@@ -21,14 +21,12 @@ Structure (FlashAttention-3's producer/consumer split):
 - The tiling plan (pair_plan, tile_plan) and the causal mask (causal_visible) are plain functions
   of scalars and iotas: the kernel calls them on traced values, the CPU tests on concrete ones.
 
-Testing. Mosaic GPU kernels cannot run in jax 0.10.2's interpreter (pl.run_state, transposed and
-swizzled shared-memory refs are unsupported there). So:
+Testing. The kernel cannot run in jax 0.12's Mosaic GPU interpreter (its pipelined wgmma under
+pl.run_state has no CPU rule). So:
 - on the CPU, tests/test_prefill_mgpu.py walks the kernel's tiles with pair_plan and
   causal_visible and checks that each query reads exactly the keys the reference lets it see, and
   that no tile reads a block it does not need;
-  and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks
-  (`make test` runs these tests under jax 0.10.2 and again under the GPU image's 0.11.2, whose
-  lowering differs and can fail where 0.10.2's succeeds);
+  and it lowers the kernel to Mosaic GPU for CUDA, which runs all of its tracing and shape checks;
 - on the GPU, tests/test_gpu.py (`pytest -m gpu`) and eagle3_jax_bench/attention.py's
   `mosaic_check` compare the kernel with
   attention_reference (token tails, start > 0 and differing within a batch, a prompt overflowing

@@ -1,5 +1,4 @@
 import gc
-import importlib.metadata
 import os
 from pathlib import Path
 
@@ -17,12 +16,8 @@ def pytest_configure(config):
     if config.option.markexpr != "gpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         # The CPU suite's time is mostly XLA compiling tiny programs; without its optimisation passes it
-        # compiles them in about 40% less time, and tiny programs run about as fast unoptimised. Without the
-        # CPU fusion emitters (MLIR), jaxlib 0.10 compiles in about a third less again (test_target_golden.py
-        # and test_exact.py: 60 s against 40 s); jaxlib 0.11's XLA has no such flag and aborts on it.
+        # compiles them in about 40% less time, and tiny programs run about as fast unoptimised.
         flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-        if importlib.metadata.version("jaxlib").startswith("0.10."):
-            flags += " --xla_cpu_use_fusion_emitters=false"
         os.environ.setdefault("XLA_FLAGS", flags)
     import jax
 

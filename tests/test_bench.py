@@ -9,6 +9,8 @@ import pallas_kernels
 from eagle3_jax_bench import bench, checks, dense, moe, moe_layer, profile, sampling
 from eagle3_jax_bench.core import Run
 
+from cuda_lowering import lower_for_cuda
+
 
 def test_bench_smoke(tmp_path):
     assert bench.main(["--tiny", "--out", str(tmp_path), "--kernels", "xla"]) == 0
@@ -219,9 +221,9 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
         for M, S in ((1, 8), (64, 128)):
             args = (spec((M, D), bf16), spec((S, M), bf16), spec((S,), jnp.int32), spec((1,), jnp.int32),
                     spec((E, 2 * Ie, D), bf16), spec((E, D, Ie), bf16))
-            lowered = routed_experts._experts.trace(*args, config=pallas_kernels.ExpertsConfig(**tuning),
-                                                    interpret=False).lower(lowering_platforms=("cuda",))
-            assert lowered.as_text().count("moe_down") >= 1, (name, M)
+            lowered = lower_for_cuda(routed_experts._experts, *args, config=pallas_kernels.ExpertsConfig(**tuning),
+                                     interpret=False)
+            assert lowered.count("moe_down") >= 1, (name, M)
 
 
 def test_synthetic_routing_and_the_tau_model():

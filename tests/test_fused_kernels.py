@@ -13,6 +13,8 @@ from eagle3_jax.models.layers import add_rms_norm
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
 from pallas_kernels import rope_cache_write
 
+from cuda_lowering import lower_for_cuda
+
 TOLERANCE = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 
 
@@ -89,10 +91,9 @@ def test_fused_kernels_lower_to_triton():
     (and a hidden size that is not a power of 2)."""
     bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
     norm = jax.jit(lambda x, d, w: pallas_add_rms_norm(x, d, w, eps=1e-6))
-    assert "add_rms_norm" in norm.trace(bf16(1, 4, 5120), bf16(1, 4, 5120), bf16(5120)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    assert "add_rms_norm" in lower_for_cuda(norm, bf16(1, 4, 5120), bf16(1, 4, 5120), bf16(5120))
     rope = jax.jit(lambda qkv, c, s, k, v, st, qn, kn: rope_cache_write(qkv, c, s, k, v, st, num_heads=32,
                                                                         q_norm=qn, k_norm=kn))
     args = (bf16(1, 4, 6144), bf16(1, 4, 128), bf16(1, 4, 128), bf16(1, 8, 1088, 128), bf16(1, 8, 1088, 128),
             jax.ShapeDtypeStruct((1,), jnp.int32), bf16(128), bf16(128))
-    assert "rope_cache_write" in rope.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "rope_cache_write" in lower_for_cuda(rope, *args)

@@ -19,6 +19,7 @@ from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from pallas_kernels import routed_experts
 
+from cuda_lowering import lower_for_cuda
 from hf_models import MOE_CONFIGS, build_moe_model, save_moe_model
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64]]
@@ -329,8 +330,7 @@ def test_expert_kernel_lowers_for_cuda_at_qwen3_30b_a3b_shapes():
     spec = jax.ShapeDtypeStruct
     args = (spec((M, D), jnp.bfloat16), spec((S, M), jnp.bfloat16), spec((S,), jnp.int32), spec((1,), jnp.int32),
             spec((E, 2 * Ie, D), jnp.bfloat16), spec((E, D, Ie), jnp.bfloat16))
-    text = routed_experts._experts.trace(*args, config=routed_experts.ExpertsConfig(), interpret=False).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(routed_experts._experts, *args, config=routed_experts.ExpertsConfig(), interpret=False)
     assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1 and "triton" in text
 
 

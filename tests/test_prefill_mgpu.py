@@ -1,6 +1,6 @@
 """The Mosaic GPU prefill kernel on a CPU: its tiling plan and mask, its lowering, its refusals.
 
-The kernel cannot run in jax 0.10.2's Mosaic GPU interpreter (see the module docstring); its
+The kernel cannot run in jax 0.12's Mosaic GPU interpreter (see the module docstring); its
 numbers are checked on the GPU by `bench_attention.py mosaic_check`.
 """
 
