@@ -190,14 +190,22 @@ def acceptance(world: planted_world.World, plan: Plan, prompts, a: float, gamma:
 def speeds(e: dict) -> dict:
     """Tokens/s whole and without prefill (its time and first tokens), each over the projection batch x tau /
     round time; the rounds an average row needed over those the device ran (the slowest row's and the last
-    call's dead rounds), and the device's rounds' share of decode's wall time (the rest is the host's)."""
+    call's dead rounds), and the device's rounds' share of decode's wall time (the rest is the host's).
+    The decode figures are the difference of two timings: where the prefill alone timed longer than the whole
+    generate (noise on a busy host at tiny shapes), they are None rather than negative."""
     decode_s, round_s = e["seconds"] - e["prefill_s"], e["round_ms"] / 1e3
-    out = {"tokens_per_s": e["tokens"] / e["seconds"], "decode_tokens_per_s": (e["tokens"] - e["batch"]) / decode_s,
-           "projected_tokens_per_s": e["batch"] * e["tau"] / round_s}
-    return dict(out, ratio=out["tokens_per_s"] / out["projected_tokens_per_s"],
-                ratio_decode=out["decode_tokens_per_s"] / out["projected_tokens_per_s"],
+    out = {"tokens_per_s": e["tokens"] / e["seconds"], "projected_tokens_per_s": e["batch"] * e["tau"] / round_s}
+    decode = ({"decode_tokens_per_s": (e["tokens"] - e["batch"]) / decode_s} if decode_s > 0
+              else {"decode_tokens_per_s": None})
+    return dict(out, **decode, ratio=out["tokens_per_s"] / out["projected_tokens_per_s"],
+                ratio_decode=(decode["decode_tokens_per_s"] / out["projected_tokens_per_s"] if decode_s > 0
+                              else None),
                 rounds_needed_over_run=e["rounds_per_row_mean"] / e["device_rounds"],
-                device_share_of_decode=e["device_rounds"] * round_s / decode_s)
+                device_share_of_decode=e["device_rounds"] * round_s / decode_s if decode_s > 0 else None)
+
+
+def _maybe(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}.{digits}f}"
 
 
 def measure_auto(run: Run, w: Worlds, plan: Plan, batch: int) -> None:
@@ -270,8 +278,9 @@ def summary(results: dict) -> str:
     for r in results.get("planted", []):
         tau_target = "-" if r["tau_target"] is None else f"{r['tau_target']:.1f}"
         lines.append(f"{r['batch']:5d} {r['gamma']:5d} {tau_target:>4s} {r['tau']:5.2f} {r['tau_expected']:6.2f} "
-                     f"{r['tokens_per_s']:9.1f} {r['decode_tokens_per_s']:9.1f} {r['projected_tokens_per_s']:9.1f} "
-                     f"{r['ratio']:6.3f} {r['ratio_decode']:6.3f} {r['rounds_per_row_mean']:7.1f} "
+                     f"{r['tokens_per_s']:9.1f} {_maybe(r['decode_tokens_per_s'], 9, 1)} "
+                     f"{r['projected_tokens_per_s']:9.1f} {r['ratio']:6.3f} {_maybe(r['ratio_decode'], 6, 3)} "
+                     f"{r['rounds_per_row_mean']:7.1f} "
                      f"{r['device_rounds']:5d} {'yes' if holds(r) else 'NO':>3s}")
     for b in results.get("best", []):
         lines.append(f"best fixed gamma, batch {b['batch']}, tau {b['tau_target']}: {b['best_gamma']} "

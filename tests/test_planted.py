@@ -84,7 +84,8 @@ def test_planted_bench_dry_run(tmp_path, monkeypatch):
         assert r["compilations"] == 0 and r["tokens"] == 2 * new and r["tokens_per_s"] > 0, r
         assert 2 * r["calls"] >= r["rounds_per_row_max"] == r["rounds_per_row_mean"]  # lockstep
     for r in rows:
-        assert r["round_compilations"] == 0 and r["ratio"] > 0 and r["ratio_decode"] > 0
+        # The decode figures subtract a separately timed prefill: None when noise makes that difference <= 0.
+        assert r["round_compilations"] == 0 and r["ratio"] > 0 and (r["ratio_decode"] is None or r["ratio_decode"] > 0)
         assert r["device_rounds"] == 2 * r["calls"]
     assert [r["tau"] for r in (rows[0], rows[1], rows[3])] == [1.0, 1.0, 2.0]
     assert rows[0]["rounds_per_row_max"] == new - 1 and rows[3]["rounds_per_row_max"] == 12
