@@ -39,7 +39,7 @@ a prefill chunk is several, each reading only the keys its last row sees.
 - Q arrives by one TMA per token of its [G, H] heads (tokens past the array read as zeros) into
   an untiled [64, H] buffer, whose rows are then stored into the swizzled tile wgmma reads (an
   untiled buffer takes any row start; a tiled one only multiples of 8). The output leaves through
-  the same buffer, one TMA store per token, predicated on the token being the sequence's (a
+  the same buffer, one TMA store per token, issued only for the sequence's own tokens (a
   whole-tile store would overwrite the next sequence's tokens).
 - Block slots past the tile's keys re-read its last page in use (so a page-table entry past it is
   never dereferenced); their keys are masked like any key past a row's position.
@@ -128,7 +128,7 @@ def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConf
     if ROWS % G:
         return f"needs a group size dividing {ROWS} (query heads per KV head), got {G} = {N} // {K}"
     if page_size % 8:
-        return f"needs page_size a multiple of 8 (tiled shared-memory slices), got {page_size}"
+        return f"needs page_size a multiple of 8, got {page_size} (tiled shared-memory slices)"
     if config.block_kv % page_size and page_size % config.block_kv:
         return f"needs page_size dividing block_kv={config.block_kv} or a multiple of it, got {page_size}"
     smem = config.smem_bytes(H, q.dtype.itemsize)
@@ -243,8 +243,11 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
             (o_ref,) = outs
             plgpu.commit_smem()
             for t in range(tq):  # one store per token of the sequence: never a neighbour's rows
-                plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(t * G, G)], o_ref.at[q_start + first + t, pl.ds(head * G, G)],
-                                        predicate=first + t < q_len)
+
+                @pl.when(first + t < q_len)
+                def _():
+                    token = q_start + first + t
+                    plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(t * G, G)], o_ref.at[token, pl.ds(head * G, G)])
         else:
             part_ref, lse_ref = outs
             lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
