@@ -22,7 +22,7 @@ A token's write scatters K rows (pallas_kernels.reference / eagle3_jax.models.pa
 which costs nothing next to the reads; tensor parallelism shards axis 0 as the contiguous cache's.
 
 Work. Rows of a tile are token * G + g for the G query heads of KV head h (_common's docstring):
-one tile holds TQ = 64 // G tokens, the 64 rows of one warpgroup's wgmma. A sequence of q_len
+one tile holds TQ = min(64 // G, max_q_len) tokens, in the 64 rows of one warpgroup's wgmma. A sequence of q_len
 tokens takes ceil(q_len / TQ) tiles; the caller bounds q_len by `max_q_len` (static), so the
 grid is (K, splits, S * ceil(max_q_len / TQ)) and tiles past a sequence's queries exit at once.
 Decode (1 token) and verify (gamma + 1 <= TQ tokens) are one tile per (sequence, KV head);
@@ -105,8 +105,10 @@ class RaggedPagedConfig:
         return max(1, min(wanted, -(-capacity // self.block_kv)))
 
 
-def tokens_per_tile(group: int) -> int:
-    return ROWS // group
+def tokens_per_tile(group: int, max_q_len: int) -> int:
+    """Tokens of a tile: as many as fill the 64 rows, or max_q_len when fewer (decode: 1, so one
+    query TMA and one output store per CTA; the rows past tq * G are never loaded nor stored)."""
+    return min(ROWS // group, max_q_len)
 
 
 def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConfig(), *, interpret=False) -> str | None:
@@ -165,7 +167,7 @@ def split_blocks(num_keys, split, *, splits: int, block_kv: int):
     return lax.div(split * blocks, splits), lax.div((split + 1) * blocks, splits)
 
 
-def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, tiles, splits, group):
+def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, tiles, splits, group, tq):
     # cu_q_ref [S + 1], kv_lens_ref [S], pt_ref [S, pages_per_seq] int32; q_ref [T, N, H];
     # k_ref, v_ref [K, P, page_size, H], all in GMEM.
     # outputs, one split: o_ref [T, N, H]; several: part_ref [splits, S * tiles, K, ROWS, H] q.dtype,
@@ -176,7 +178,7 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
     (q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scratch
     bkv, stages = config.block_kv, config.num_stages
     page_size = k_ref.shape[2]
-    G, tq = group, ROWS // group
+    G = group
     dtype = q_ref.dtype
     head, split, work = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("work")
     seq, tile = lax.div(work, tiles), lax.rem(work, tiles)
@@ -263,30 +265,31 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
         @pl.loop(lo, hi)
         def _(i):
             slot = lax.rem(i - lo, stages)
+            # The block's page ids are read once for K and V, before waiting for a free slot, so the
+            # page table's latency hides under that wait.
+            if page_size <= bkv:
+                per_block = bkv // page_size
+                pages = [pt_ref[seq, jnp.minimum(i * per_block + j, last_page)] for j in range(per_block)]
+                sources = [(page, pl.ds(0, page_size), pl.ds(j * page_size, page_size)) for j, page in enumerate(pages)]
+            else:
+                per_page = page_size // bkv
+                page = pt_ref[seq, lax.div(i, per_page)]
+                sources = [(page, pl.ds(lax.rem(i, per_page) * bkv, bkv), pl.ds(0, bkv))]
             for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
 
                 @pl.when(i - lo >= stages)  # the first round fills an empty ring
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
-                if page_size <= bkv:
-                    for j in range(bkv // page_size):
-                        page = pt_ref[seq, jnp.minimum(i * (bkv // page_size) + j, last_page)]
-                        plgpu.copy_gmem_to_smem(ref.at[head, page], smem.at[slot, pl.ds(j * page_size, page_size)],
-                                                ready.at[slot])
-                else:
-                    per_page = page_size // bkv
-                    page = pt_ref[seq, lax.div(i, per_page)]
-                    plgpu.copy_gmem_to_smem(ref.at[head, page, pl.ds(lax.rem(i, per_page) * bkv, bkv)],
-                                            smem.at[slot], ready.at[slot])
+                for page, rows, dest in sources:
+                    plgpu.copy_gmem_to_smem(ref.at[head, page, rows], smem.at[slot, dest], ready.at[slot])
 
 
-def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: int):
+def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: int, tq: int):
     """Partials [splits, S * tiles, K, ROWS, H] and base-2 lse [splits, S * tiles, K, ROWS] -> the
     output [num_tokens, K * group, H] in part's dtype, one XLA fusion that reads only the real rows.
     Tokens past cu_q_lens[-1] get zeros."""
     splits, _, K, _, H = part.shape
-    tq = ROWS // group
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_q_lens, token, side="right").astype(jnp.int32) - 1  # [T]
     real = token < cu_q_lens[-1]
@@ -309,7 +312,7 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
     K, _, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G = N // K
-    tq = tokens_per_tile(G)
+    tq = tokens_per_tile(G, max_q_len)
     tiles = -(-max_q_len // tq)
     splits = config.splits_for(S * tiles * K, pages_per_seq * page_size)
     bkv, stages = config.block_kv, config.num_stages
@@ -324,7 +327,8 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scratch: _kernel(*refs, scratch, scale=scale, config=config, tiles=tiles, splits=splits, group=G),
+            lambda *scratch: _kernel(*refs, scratch, scale=scale, config=config, tiles=tiles, splits=splits, group=G,
+                                     tq=tq),
             (
                 plgpu.SMEM((ROWS, H), q.dtype),
                 smem((ROWS, H), q.dtype),
@@ -357,7 +361,7 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
     )(cu_q_lens, kv_lens, page_table, q, k_pages, v_pages)
     if splits == 1:
         return out
-    return merge_splits(*out, cu_q_lens, T, tiles=tiles, group=G)
+    return merge_splits(*out, cu_q_lens, T, tiles=tiles, group=G, tq=tq)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, max_q_len=None,
