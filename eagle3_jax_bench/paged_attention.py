@@ -4,6 +4,8 @@ At Qwen3-8B heads (32 query, 8 KV, head_dim 128), bf16, random data, every seque
 the same number of keys L (its new tokens included):
   decode   one query per sequence, batch x keys x page size (the plan's grid)
   verify   gamma + 1 = 4 queries per sequence, a smaller grid
+  chunk    a prefill chunk of 512 queries after a prefix (batch 1), where the kernel's 64-row tiles
+           meet the contiguous path's FlashAttention-3 kernel (prefill_attention_mgpu): TFLOP/s
 Each row times three ops on the same K/V:
   paged       pallas_kernels.ragged_paged_attention (Mosaic GPU) over pages of the row's size, the
               pages of each sequence in shuffled order over the pool
@@ -46,6 +48,8 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from .core import Run, versions
 from .profile import gpu_kernel_times
 
+SECTIONS = ("decode", "verify", "chunk", "tuning")
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -56,6 +60,8 @@ class Plan:
     verify: tuple[tuple[int, int], ...]
     verify_pages: tuple[int, ...]
     verify_tokens: int
+    chunk: tuple[tuple[int, int], ...]  # (keys, chunk tokens), batch 1
+    chunk_pages: tuple[int, ...]
     copy_bytes: int
     pool_bytes: int  # K/V bytes of all calls of one timed jit, at most
     jit_seconds: float  # work aimed at per timed jit (sets the calls)
@@ -67,13 +73,15 @@ def qwen3_8b_plan() -> Plan:
         heads=(32, 8, 128), dtype="bfloat16",
         decode=tuple((b, n) for n in keys for b in batches), decode_pages=(16, 64, 128),
         verify=tuple((b, n) for n in (1024, 32768) for b in (1, 8, 32)), verify_pages=(16, 64), verify_tokens=4,
+        chunk=((4096, 512), (16384, 512)), chunk_pages=(64,),
         copy_bytes=4 << 30, pool_bytes=8 << 30, jit_seconds=2e-3,
     )
 
 
 def tiny_plan() -> Plan:
     return Plan(heads=(8, 2, 64), dtype="float32", decode=((3, 40),), decode_pages=(8,),
-                verify=((2, 40),), verify_pages=(16,), verify_tokens=4, copy_bytes=1 << 20, pool_bytes=1 << 20,
+                verify=((2, 40),), verify_pages=(16,), verify_tokens=4, chunk=((40, 24),), chunk_pages=(8,),
+                copy_bytes=1 << 20, pool_bytes=1 << 20,
                 jit_seconds=0.0)
 
 
@@ -174,6 +182,7 @@ def measure_shape(run: Run, plan: Plan, section: str, shape: Shape, pages, tunin
     B, L, T = shape.batch, shape.keys, shape.tokens
     scale = H**-0.5
     kv_bytes = 2 * B * K * L * H * jnp.dtype(plan.dtype).itemsize
+    flops = 4 * N * H * B * sum(L - T + t + 1 for t in range(T))  # QK and PV over each query's visible keys
     attend = partial(attention.attend, kernels="pallas")
     contiguous = _timed(lambda q, k, v: attend(q, k, v, shape.start), [(q, *c) for q, c in zip(shape.qs, shape.caches)],
                         shape.calls, overhead, reps, kernel_times)
@@ -204,28 +213,31 @@ def measure_shape(run: Run, plan: Plan, section: str, shape: Shape, pages, tunin
             for kind in ("us", "dev_us"):
                 if kind in row.get(name, {}):
                     row[name][kind.replace("us", "of_copy")] = kv_bytes / (row[name][kind] * 1e-6) / 1e12 / run.bw
+                    row[name][kind.replace("us", "tflops")] = flops / (row[name][kind] * 1e-6) / 1e12
         if "paged" in row:
             row["paged_over_contiguous"] = row["paged"]["us"] / row["contiguous"]["us"]
         run.add(section, row)
 
 
 def table(results: dict) -> str:
-    lines = [f"{'section':7} {'B':>3} {'L':>6} {'T':>2} {'page':>4} | {'paged us':>9} {'dev':>7} {'of copy':>7} "
-             f"{'dev':>5} | {'contig us':>9} {'dev':>7} {'of copy':>7} | {'paged/contig':>12} | {'xla us':>8} "
-             f"| {'err':>7} | tuning"]
-    for section in ("decode", "verify", "tuning"):
+    """One line per row: wall us (and kernel us) per op, the paged kernel's share of the copy rate
+    (TFLOP/s for chunk rows), paged over contiguous, and the paged kernel's error."""
+    lines = [f"{'section':7} {'B':>3} {'L':>6} {'T':>3} {'page':>4} | {'paged us':>9} {'dev':>7} {'rate':>7} "
+             f"| {'contig us':>9} {'dev':>7} {'rate':>7} | {'paged/contig':>12} | {'xla us':>9} | {'err':>7} | tuning"
+             "   (rate: of the copy rate; TFLOP/s for chunk rows)"]
+
+    def f(d, k, spec):
+        return format(d[k], spec) if k in d else "-"
+
+    for section in SECTIONS:
+        rate = ("tflops", "7.0f") if section == "chunk" else ("of_copy", "7.0%")
         for r in results.get(section, []):
             p, c, x = r.get("paged", {}), r.get("contiguous", {}), r.get("xla", {})
-
-            def f(d, k, spec):
-                return format(d[k], spec) if k in d else "-"
-
             lines.append(
-                f"{section:7} {r['batch']:3d} {r['keys']:6d} {r['tokens']:2d} {r['page_size']:4d} | "
-                f"{f(p, 'us', '9.1f')} {f(p, 'dev_us', '7.1f')} {f(p, 'of_copy', '7.0%')} "
-                f"{f(p, 'dev_of_copy', '5.0%')} | "
-                f"{f(c, 'us', '9.1f')} {f(c, 'dev_us', '7.1f')} {f(c, 'of_copy', '7.0%')} | "
-                f"{f(r, 'paged_over_contiguous', '12.3f')} | {f(x, 'us', '8.1f')} | {f(r, 'paged_err', '7.1e')} | "
+                f"{section:7} {r['batch']:3d} {r['keys']:6d} {r['tokens']:3d} {r['page_size']:4d} | "
+                f"{f(p, 'us', '9.1f')} {f(p, 'dev_us', '7.1f')} {f(p, *rate)} | "
+                f"{f(c, 'us', '9.1f')} {f(c, 'dev_us', '7.1f')} {f(c, *rate)} | "
+                f"{f(r, 'paged_over_contiguous', '12.3f')} | {f(x, 'us', '9.1f')} | {f(r, 'paged_err', '7.1e')} | "
                 f"{r['tuning'] or ''}" + "".join(f"\n    {k}: {v}" for k, v in r.items() if k.endswith("_error")))
     return "\n".join(lines)
 
@@ -235,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (default off the GPU)")
-    parser.add_argument("--sections", nargs="+", choices=("decode", "verify", "tuning"),
-                        default=["decode", "verify", "tuning"])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--tunings", type=json.loads, default=[{"block_kv": 64, "num_stages": 4}],
                         help='JSON list of RaggedPagedConfig fields for the tuning rows')
     parser.add_argument("--tuning-shapes", type=json.loads, default=None,
@@ -264,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             if run.time_left(f"verify B={B} L={L}"):
                 measure_shape(run, plan, "verify", make_shape(plan, B, L, plan.verify_tokens, seed=B * L + 1),
                               plan.verify_pages, {}, **timing)
+    if "chunk" in args.sections:
+        for L, C in plan.chunk:
+            if run.time_left(f"chunk L={L} C={C}"):
+                measure_shape(run, plan, "chunk", make_shape(plan, 1, L, C, seed=L + C), plan.chunk_pages, {}, **timing)
     if "tuning" in args.sections:
         for B, L, page_size in tuning_shapes:
             for tuning in args.tunings:

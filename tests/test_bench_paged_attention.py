@@ -17,13 +17,14 @@ def test_paged_attention_bench_dry_run(tmp_path, capsys):
     results = json.loads((tmp_path / "bench_paged_attention.json").read_text())
     assert results["skipped"] == [] and results["ceilings"]["copy_tbps"] > 0
     shapes = {s: [(r["batch"], r["keys"], r["tokens"], r["page_size"]) for r in results[s]]
-              for s in ("decode", "verify", "tuning")}
-    assert shapes == {"decode": [(3, 40, 1, 8)], "verify": [(2, 40, 4, 16)], "tuning": [(1, 40, 1, 8)]}
-    for section in ("decode", "verify", "tuning"):
+              for s in paged_attention.SECTIONS}
+    assert shapes == {"decode": [(3, 40, 1, 8)], "verify": [(2, 40, 4, 16)], "chunk": [(1, 40, 24, 8)],
+                      "tuning": [(1, 40, 1, 8)]}
+    for section in paged_attention.SECTIONS:
         for r in results[section]:
             assert not any(k.endswith("_error") for k in r), r
             assert r["paged_err"] < 1e-5 and r["paged"]["us"] > 0 and r["paged"]["of_copy"] > 0
-            assert r["contiguous"]["us"] > 0 and r["paged_over_contiguous"] > 0
+            assert r["contiguous"]["us"] > 0 and r["paged_over_contiguous"] > 0 and r["paged"]["tflops"] > 0
             assert ("xla" in r) == (section != "tuning")  # the XLA path at the first page size, untuned rows
             assert section == "tuning" or r["xla_err"] < 1e-5
     assert results["tuning"][0]["tuning"] == {"block_kv": 64, "num_splits": 2}
