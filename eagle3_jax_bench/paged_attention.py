@@ -21,7 +21,8 @@ Bandwidth counts the K/V bytes a call must read, 2 * B * K * L * H * 2; of_copy 
 copy rate measured in the same run (core.copy_bandwidth). err: the paged kernel's output against
 the contiguous kernel's (max abs difference over max abs value). The goal (issue 36): of_copy >=
 0.85 from 8k keys, paged within 5% of contiguous at 1k.
---tunings adds rows for other RaggedPagedConfig fields at the decode shapes of --tuning-shapes.
+--tunings adds rows for other RaggedPagedConfig fields (default TUNINGS) at the decode shapes of
+--tuning-shapes ([batch, keys, page_size]).
 --dry-run: tiny shapes on the CPU (the kernels in their interpreters, float32), the same code.
 Rows go to DIR/bench_paged_attention.json after each measurement; the table is printed at the end.
 """
@@ -49,6 +50,11 @@ from .core import Run, versions
 from .profile import gpu_kernel_times
 
 SECTIONS = ("decode", "verify", "chunk", "tuning")
+TUNINGS = (  # against the defaults (block_kv 128, 2 stages, one CTA per SM)
+    {"block_kv": 64, "num_stages": 4},  # the same ring in finer steps
+    {"block_kv": 64, "num_stages": 2, "wave": 264},  # half the shared memory: two CTAs per SM, twice the splits
+    {"num_splits": 1},  # no merge: what the split and its XLA merge cost or gain
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (default off the GPU)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--tunings", type=json.loads, default=[{"block_kv": 64, "num_stages": 4}],
-                        help='JSON list of RaggedPagedConfig fields for the tuning rows')
+    parser.add_argument("--tunings", type=json.loads, default=list(TUNINGS),
+                        help="JSON list of RaggedPagedConfig fields for the tuning rows")
     parser.add_argument("--tuning-shapes", type=json.loads, default=None,
                         help="JSON list of [batch, keys, page_size] for the tuning rows (default: the plan's)")
     parser.add_argument("--kernel-times", action="store_true",
@@ -258,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dry = args.dry_run or _dry()
     plan = tiny_plan() if dry else qwen3_8b_plan()
-    tuning_shapes = args.tuning_shapes or ([[1, 40, 8]] if dry else [[1, 8192, 16], [8, 32768, 16], [64, 8192, 64]])
+    tuning_shapes = args.tuning_shapes or ([[1, 40, 8]] if dry else [[1, 1024, 16], [1, 8192, 16], [8, 32768, 16],
+                                                                      [64, 8192, 64]])
     run = Run(args.budget_s, args.out, "bench_paged_attention.json")
     run.results.update(versions=versions(), plan=dataclasses.asdict(plan))
     run.ceilings(plan.copy_bytes, matmul_n=None)

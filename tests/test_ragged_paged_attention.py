@@ -219,3 +219,31 @@ def test_refuses_what_it_cannot_take_and_says_why():
                             ({"num_splits": 0}, "num_splits"), ({"wave": 0}, "wave")]:
         with pytest.raises(ValueError, match=message):
             RaggedPagedConfig(**tuning)
+
+
+# (q_lens, kv_lens, page_size, tuning): Qwen3-8B heads on the GPU. Ragged mixes with a chunk longer
+# than one tile, KV lengths that end mid-page, the default split count and forced ones, every page size.
+GPU_CASES = [
+    ([1, 4, 70, 1], [1000, 4100, 333, 16384], 16, {}),
+    ([1, 1, 1, 1], [1024, 7, 32768, 129], 64, {}),
+    ([4, 4, 4], [4096, 4100, 8], 128, {"block_kv": 64, "num_stages": 4}),
+    ([1], [32768], 16, {"num_splits": 1}),
+    ([512], [4096], 64, {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run: pytest -m gpu on one)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=["mix", "decode", "verify-page128", "one-split", "chunk"])
+def test_kernel_on_a_hopper_gpu_at_qwen3_8b_heads(case, dtype):
+    """The compiled kernel (swizzled layouts, wgmma, ptxas: what the interpreter cannot check) against
+    the dense reference; pages no sequence uses are NaN, as in the CPU tests."""
+    from eagle3_jax.models.kernels import hopper
+
+    if not hopper():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+    q_lens, kv_lens, page_size, tuning = case
+    args = ragged_batch(5, q_lens, kv_lens, K=8, G=4, H=128, page_size=page_size, dtype=dtype)
+    out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=max(q_lens), **tuning)
+    check(out, paged_attention_reference(*args, scale=128**-0.5), args[5], jnp.bfloat16)
