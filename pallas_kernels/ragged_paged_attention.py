@@ -71,6 +71,7 @@ ROWS = 64  # rows of a tile: one warpgroup's wgmma M
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite: a row with no visible key in a block keeps exp2(m_old - m_new) = 1, never NaN
 _SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+_SMEM_RESERVED = 4096  # for the barriers and alignment padding Mosaic GPU adds to the scratch buffers
 _WAVE = 132  # the H200's SMs: one CTA each (the ring fills most of an SM's shared memory)
 
 
@@ -94,10 +95,23 @@ class RaggedPagedConfig:
         if self.wave < 1:
             raise ValueError(f"{self.wave=} must be >= 1")
 
-    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    @classmethod
+    def for_kernel(cls, head_dim: int, itemsize: int, warpgroups: int, **tuning) -> "RaggedPagedConfig":
+        """The defaults where they fit a Hopper block's shared memory, else 64-key blocks in as many
+        stages (up to 4) as fit (bf16, head_dim 128, two compute warpgroups: 4); then the given fields."""
+        defaults = {}
+        if cls().smem_bytes(head_dim, itemsize, warpgroups) > _SMEM_BYTES:
+            fits = [n for n in range(2, 5) if cls(block_kv=64, num_stages=n).smem_bytes(
+                head_dim, itemsize, warpgroups) <= _SMEM_BYTES]
+            defaults = {"block_kv": 64, "num_stages": max(fits, default=2)}
+        return cls(**{**defaults, **tuning})
+
+    def smem_bytes(self, head_dim: int, itemsize: int, warpgroups: int = 1) -> int:
+        """Shared memory of a CTA: the K/V ring, per compute warpgroup its q staging, q tile, P and
+        lse, and what Mosaic GPU adds (barriers, alignment)."""
         ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        tiles = 2 * ROWS * head_dim * itemsize + ROWS * self.block_kv * itemsize  # q staging + q tile, P
-        return ring + tiles + ROWS * 4
+        tiles = 2 * ROWS * head_dim * itemsize + ROWS * self.block_kv * itemsize + ROWS * 4
+        return ring + warpgroups * tiles + _SMEM_RESERVED
 
     def splits_for(self, work_items: int, capacity: int) -> int:
         """Splits of each tile's key blocks: one wave of CTAs at most, never more than the blocks."""
@@ -105,14 +119,21 @@ class RaggedPagedConfig:
         return max(1, min(wanted, -(-capacity // self.block_kv)))
 
 
+def compute_warpgroups(tiles: int) -> int:
+    """Compute warpgroups of a CTA: two tiles of a sequence share each key block the loader brings
+    when a sequence can have two tiles or more (prefill chunks), one tile otherwise (decode, verify)."""
+    return 2 if tiles > 1 else 1
+
+
 def tokens_per_tile(group: int, max_q_len: int) -> int:
     """Tokens of a tile: as many as fill the 64 rows, or max_q_len when fewer (decode: 1, so one
     query TMA and one output store per CTA; the rows past tq * G are never loaded nor stored)."""
-    return min(ROWS // group, max_q_len)
+    return max(1, min(ROWS // group, max_q_len))  # (1 for a group over 64 rows, which unsupported refuses)
 
 
-def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConfig(), *, interpret=False) -> str | None:
-    """Why this kernel cannot take these operands, or None when it can.
+def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConfig(), *, max_q_len=None,
+                interpret=False) -> str | None:
+    """Why this kernel cannot take these operands, or None when it can (max_q_len: as the entry's).
 
     Compiled, wgmma needs 16-bit operands (f32 would be tf32, whose transposed V operand Hopper
     lacks); interpreted, float32 runs too, so the CPU tests check the indexing at f32 precision.
@@ -133,9 +154,12 @@ def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConf
         return f"needs page_size a multiple of 8, got {page_size} (tiled shared-memory slices)"
     if config.block_kv % page_size and page_size % config.block_kv:
         return f"needs page_size dividing block_kv={config.block_kv} or a multiple of it, got {page_size}"
-    smem = config.smem_bytes(H, q.dtype.itemsize)
+    tq = tokens_per_tile(G, max_q_len or q.shape[0])
+    warpgroups = compute_warpgroups(-(-(max_q_len or q.shape[0]) // tq))
+    smem = config.smem_bytes(H, q.dtype.itemsize, warpgroups)
     if smem > _SMEM_BYTES:
-        return f"needs {smem} bytes of shared memory with {config}, over Hopper's {_SMEM_BYTES}"
+        return f"needs {smem} bytes of shared memory with {config} and {warpgroups} compute warpgroups, " \
+               f"over Hopper's {_SMEM_BYTES}"
     return None
 
 
@@ -167,13 +191,16 @@ def split_blocks(num_keys, split, *, splits: int, block_kv: int):
     return lax.div(split * blocks, splits), lax.div((split + 1) * blocks, splits)
 
 
-def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, tiles, splits, group, tq):
+def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, pairs, splits, group, tq, wgs):
     # cu_q_ref [S + 1], kv_lens_ref [S], pt_ref [S, pages_per_seq] int32; q_ref [T, N, H];
     # k_ref, v_ref [K, P, page_size, H], all in GMEM.
-    # outputs, one split: o_ref [T, N, H]; several: part_ref [splits, S * tiles, K, ROWS, H] q.dtype,
-    #   lse_ref [splits, S * tiles, K, ROWS] f32 (base 2; -inf where a row saw no key).
-    # scratch: q_raw [ROWS, H] untiled (queries in, output out), q_tile [ROWS, H] swizzled,
-    #   p_tile [ROWS, block_kv] swizzled, lse_smem [ROWS] f32, k_smem/v_smem [stages, block_kv, H].
+    # outputs, one split: o_ref [T, N, H]; several: part_ref [splits, S * pairs * wgs, K, ROWS, H] q.dtype,
+    #   lse_ref [splits, S * pairs * wgs, K, ROWS] f32 (base 2; -inf where a row saw no key).
+    # scratch, per compute warpgroup: q_raw [wgs, ROWS, H] untiled (queries in, output out), q_tile
+    #   [wgs, ROWS, H] swizzled, p_tile [wgs, ROWS, block_kv] swizzled, lse_smem [wgs, ROWS] f32;
+    #   shared: k_smem, v_smem [stages, block_kv, H] swizzled.
+    # A CTA owns `wgs` consecutive tiles of one sequence (a "pair" when wgs = 2), compute warpgroup c
+    # tile pair * wgs + c; the loader (warpgroup wgs) fills the blocks the last of them needs.
     *outs, scratch = refs
     (q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scratch
     bkv, stages = config.block_kv, config.num_stages
@@ -181,86 +208,43 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
     G = group
     dtype = q_ref.dtype
     head, split, work = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("work")
-    seq, tile = lax.div(work, tiles), lax.rem(work, tiles)
+    seq, pair = lax.div(work, pairs), lax.rem(work, pairs)
     q_start = cu_q_ref[seq]
     q_len = cu_q_ref[seq + 1] - q_start
     kv_len = kv_lens_ref[seq]
-    first = tile * tq
-    num_keys = tile_keys(q_len, kv_len, first, tq)
+    # The keys of the CTA: those of its last tile with queries (tile_keys is 0 for one without).
+    num_keys = functools.reduce(
+        jnp.maximum, [tile_keys(q_len, kv_len, (pair * wgs + c) * tq, tq) for c in range(wgs)])
     lo, hi = split_blocks(num_keys, split, splits=splits, block_kv=bkv)
-    active = first < q_len
     wg = lax.axis_index("wg")
 
-    @pl.when(active & (wg == 0))
+    @pl.when((num_keys > 0) & (wg < wgs))
     def _compute():
-        for t in range(tq):  # one TMA per token: its G heads' rows (past the array: zeros)
-            plgpu.copy_gmem_to_smem(q_ref.at[q_start + first + t, pl.ds(head * G, G)], q_raw.at[pl.ds(t * G, G)],
-                                    q_ready)
-        plgpu.barrier_wait(q_ready)
-        q_tile[...] = plgpu.load(q_raw, layout=plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        H = q_raw.shape[1]
-        carry = (
-            plgpu.layout_cast(jnp.full((ROWS, H), 0, jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1, layout=plgpu.Layout.WGMMA)
-        position = lax.div(rows, G) + (kv_len - q_len + first)  # of each row's token
+        tile = pair * wgs + wg
+        first = tile * tq
+        mine = first < q_len  # this warpgroup's tile has queries
 
-        def step(i, carry):
-            acc, m, l = carry
-            slot = lax.rem(i - lo, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
+        @pl.when(mine)
+        def _():
+            _attend_tile(q_ref, outs, q_raw.at[wg], q_tile.at[wg], p_tile.at[wg], lse_smem.at[wg], k_smem, v_smem,
+                         q_ready.at[wg], k_ready, v_ready, k_free, v_free, scale=scale, bkv=bkv, stages=stages,
+                         group=G, tq=tq, dtype=dtype, head=head, split=split, part_index=work * wgs + wg,
+                         q_start=q_start, q_len=q_len, kv_len=kv_len, first=first, lo=lo, hi=hi)
 
-            def qk(ref):
-                plgpu.wgmma(ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                return ref[...]
+        if wgs > 1:  # a tile past the sequence's queries still frees each slot the other one reads
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            s = jnp.where(cols + i * bkv <= position, s * (scale * _LOG2E), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_tile[...] = p.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_ready.at[slot])
+            @pl.when(~mine)
+            def _():
+                @pl.loop(lo, hi)
+                def _(i):
+                    slot = lax.rem(i - lo, stages)
+                    for ready, free in ((k_ready, k_free), (v_ready, v_free)):
+                        plgpu.barrier_wait(ready.at[slot])
+                        plgpu.barrier_arrive(free.at[slot])
 
-            def pv(ref):
-                plgpu.wgmma(ref, p_tile, v_smem.at[slot])
-                return ref[...]
-
-            o = pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l
-
-        acc, m, l = lax.fori_loop(lo, hi, step, carry)
-        seen = l > 0
-        o = acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0])
-        q_raw[...] = o.astype(dtype)
-        if splits == 1:
-            (o_ref,) = outs
-            plgpu.commit_smem()
-            for t in range(tq):  # one store per token of the sequence: never a neighbour's rows
-
-                @pl.when(first + t < q_len)
-                def _():
-                    token = q_start + first + t
-                    plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(t * G, G)], o_ref.at[token, pl.ds(head * G, G)])
-        else:
-            part_ref, lse_ref = outs
-            lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_raw, part_ref.at[split, work, head])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, work, head])
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(active & (wg == 1))
+    @pl.when((num_keys > 0) & (wg == wgs))
     def _load():
-        last_page = lax.div(num_keys - 1, page_size)  # the tile's last page in use
+        last_page = lax.div(num_keys - 1, page_size)  # the CTA's last page in use
 
         @pl.loop(lo, hi)
         def _(i):
@@ -283,6 +267,76 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
 
                 for page, rows, dest in sources:
                     plgpu.copy_gmem_to_smem(ref.at[head, page, rows], smem.at[slot, dest], ready.at[slot])
+
+
+def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free,
+                 v_free, *, scale, bkv, stages, group, tq, dtype, head, split, part_index, q_start, q_len, kv_len,
+                 first, lo, hi):
+    """One compute warpgroup's tile: its queries in, key blocks [lo, hi) of the ring, its rows out."""
+    G = group
+    for t in range(tq):  # one TMA per token: its G heads' rows (past the array: zeros)
+        plgpu.copy_gmem_to_smem(q_ref.at[q_start + first + t, pl.ds(head * G, G)], q_raw.at[pl.ds(t * G, G)], q_ready)
+    plgpu.barrier_wait(q_ready)
+    q_tile[...] = plgpu.load(q_raw, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    H = q_raw.shape[1]
+    carry = (
+        plgpu.layout_cast(jnp.full((ROWS, H), 0, jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1, layout=plgpu.Layout.WGMMA)
+    position = lax.div(rows, G) + (kv_len - q_len + first)  # of each row's token
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i - lo, stages)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def qk(ref):
+            plgpu.wgmma(ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+            return ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        s = jnp.where(cols + i * bkv <= position, s * (scale * _LOG2E), -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        p_tile[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def pv(ref):
+            plgpu.wgmma(ref, p_tile, v_smem.at[slot])
+            return ref[...]
+
+        o = pl.run_scoped(pv, plgpu.ACC((ROWS, H), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l
+
+    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    seen = l > 0
+    o = acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0])
+    q_raw[...] = o.astype(dtype)
+    if len(outs) == 1:  # one split: the tokens' rows of the output
+        (o_ref,) = outs
+        plgpu.commit_smem()
+        for t in range(tq):  # one store per token of the sequence: never a neighbour's rows
+
+            @pl.when(first + t < q_len)
+            def _():
+                token = q_start + first + t
+                plgpu.copy_smem_to_gmem(q_raw.at[pl.ds(t * G, G)], o_ref.at[token, pl.ds(head * G, G)])
+    else:
+        part_ref, lse_ref = outs
+        lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_raw, part_ref.at[split, part_index, head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, part_index, head])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: int, tq: int):
@@ -313,8 +367,10 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
     S, pages_per_seq = page_table.shape
     G = N // K
     tq = tokens_per_tile(G, max_q_len)
-    tiles = -(-max_q_len // tq)
-    splits = config.splits_for(S * tiles * K, pages_per_seq * page_size)
+    wgs = compute_warpgroups(-(-max_q_len // tq))
+    pairs = -(-max_q_len // (tq * wgs))  # CTAs per (sequence, KV head, split)
+    tiles = pairs * wgs
+    splits = config.splits_for(S * pairs * K, pages_per_seq * page_size)
     bkv, stages = config.block_kv, config.num_stages
     tiling = 128 // q.dtype.itemsize  # a 128-byte swizzled row
     smem = functools.partial(plgpu.SMEM, transforms=(plgpu.TilingTransform((8, tiling)), plgpu.SwizzleTransform(128)))
@@ -327,24 +383,24 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scratch: _kernel(*refs, scratch, scale=scale, config=config, tiles=tiles, splits=splits, group=G,
-                                     tq=tq),
+            lambda *scratch: _kernel(*refs, scratch, scale=scale, config=config, pairs=pairs, splits=splits, group=G,
+                                     tq=tq, wgs=wgs),
             (
-                plgpu.SMEM((ROWS, H), q.dtype),
-                smem((ROWS, H), q.dtype),
-                smem((ROWS, bkv), q.dtype),
-                plgpu.SMEM((ROWS,), jnp.float32),
+                plgpu.SMEM((wgs, ROWS, H), q.dtype),
+                smem((wgs, ROWS, H), q.dtype),
+                smem((wgs, ROWS, bkv), q.dtype),
+                plgpu.SMEM((wgs, ROWS), jnp.float32),
                 smem((stages, bkv, H), k_pages.dtype),
                 smem((stages, bkv, H), v_pages.dtype),
             ),
             (
-                plgpu.Barrier(num_arrivals=tq),  # queries loaded, one TMA per token
+                plgpu.Barrier(num_arrivals=tq, num_barriers=wgs),  # queries loaded, one TMA per token
                 plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # K slot filled
                 plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # V slot filled
             ),
-            (  # slot read by the compute warpgroup
-                plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages),
+            (  # slot read by every compute warpgroup
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             ),
             collective_axes="wg",
         )
@@ -352,12 +408,12 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
     out = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(K, splits, S * tiles),
+        grid=(K, splits, S * pairs),
         grid_names=("heads", "splits", "work"),
-        num_threads=2,
+        num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        interpret=interpret,
     )(cu_q_lens, kv_lens, page_table, q, k_pages, v_pages)
     if splits == 1:
         return out
@@ -370,16 +426,21 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, 
 
     max_q_len: a bound on every sequence's query count (static; default: the token count). It
     sets the tiles per sequence: give the step's own (1 for decode, gamma + 1 for verify, the chunk
-    for prefill). interpret: run in Mosaic GPU's interpreter (CPU tests). static_tuning: fields of
-    RaggedPagedConfig. Returns [T, N, H] in q's dtype.
+    for prefill). interpret: True or a plgpu.InterpretGPUParams (e.g. with detect_races) runs the
+    kernel in jax's Mosaic GPU interpreter (the CPU tests). static_tuning: fields of
+    RaggedPagedConfig (defaults: RaggedPagedConfig.for_kernel). Returns [T, N, H] in q's dtype.
     """
     _check_shapes(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens)
-    config = RaggedPagedConfig(**static_tuning)
     max_q_len = q.shape[0] if max_q_len is None else max_q_len
     if not isinstance(max_q_len, int) or isinstance(max_q_len, bool) or max_q_len < 1:
         raise ValueError(f"max_q_len must be a positive int, got {max_q_len!r}")
-    if reason := unsupported(q, k_pages, v_pages, config, interpret=interpret):
+    group = q.shape[1] // k_pages.shape[0]
+    warpgroups = compute_warpgroups(-(-max_q_len // tokens_per_tile(group, max_q_len)))
+    config = RaggedPagedConfig.for_kernel(q.shape[2], q.dtype.itemsize, warpgroups, **static_tuning)
+    if reason := unsupported(q, k_pages, v_pages, config, max_q_len=max_q_len, interpret=bool(interpret)):
         raise ValueError(f"Mosaic GPU ragged paged attention {reason}")
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
     return _ragged(q, k_pages, v_pages, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32),
                    cu_q_lens.astype(jnp.int32), scale=float(scale), config=config, max_q_len=max_q_len,
-                   interpret=bool(interpret))
+                   interpret=interpret)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from eagle3_jax.models import attention, kv_cache
 from eagle3_jax.models.paged_attention import (
@@ -65,7 +66,7 @@ def check(out, ref, cu_q_lens, dtype):
 # (q_lens, kv_lens, page_size, G): decode, verify and chunk queries in one batch; kv_len on a page
 # edge, one before and one after it, one key only; a sequence with no queries (skipped).
 MIXES = [
-    ([1, 4, 20, 1], [16, 17, 47, 1], 16, 4),
+    ([1, 4, 36, 1], [16, 17, 47, 1], 16, 4),
     ([4, 0, 1, 4, 9], [8, 5, 31, 4, 64], 8, 2),
     ([1, 4, 1], [129, 255, 128], 128, 4),
 ]
@@ -102,6 +103,15 @@ def test_kernel_in_the_gpu_interpreter_matches_the_xla_path_and_the_reference(mi
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, paged_attention_reference(*args, scale=0.125), args[5], dtype)
     check(out, paged_attention_xla(*args, scale=0.125, max_q_len=max(q_lens)), args[5], dtype)
+
+
+def test_no_data_races_between_the_loader_and_two_compute_warpgroups():
+    """The interpreter's happens-before race detector over a chunk of three tiles (two CTAs of two
+    compute warpgroups, the last with no queries for its second) sharing a 2-slot ring, in two splits."""
+    args = ragged_batch(6, [36, 1], [100, 9], K=1, G=4, H=64, page_size=16, dtype=jnp.bfloat16)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = ragged_paged_attention(*args, scale=0.125, max_q_len=36, interpret=params, block_kv=64, num_splits=2)
+    check(out, paged_attention_reference(*args, scale=0.125), args[5], jnp.bfloat16)
 
 
 def test_kernel_default_splits_for_a_batch_of_one_decode():
@@ -183,6 +193,19 @@ def _lower(T, S, pages_per_seq, page_size, max_q_len, **tuning):
 )
 def test_lowers_for_cuda_at_qwen3_8b_shapes(shape, tuning):
     assert _lower(*shape, **tuning).count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+def test_default_tunings_fit_a_hopper_block():
+    """128-key blocks in 2 stages for decode and verify (one compute warpgroup); a chunk's two compute
+    warpgroups at head_dim 128 take 64-key blocks in 4 stages, which fit where the defaults would not."""
+    assert RaggedPagedConfig.for_kernel(128, 2, 1) == RaggedPagedConfig()
+    chunk = RaggedPagedConfig.for_kernel(128, 2, 2)
+    assert (chunk.block_kv, chunk.num_stages) == (64, 4)
+    assert RaggedPagedConfig().smem_bytes(128, 2, 2) > 227 * 1024 >= chunk.smem_bytes(128, 2, 2)
+    assert RaggedPagedConfig.for_kernel(128, 2, 2, num_stages=2).block_kv == 64  # given fields win
+    q, pages = jnp.ones((512, 32, 128), jnp.bfloat16), jnp.ones((8, 4, 64, 128), jnp.bfloat16)
+    assert unsupported(q, pages, pages, chunk, max_q_len=512) is None
+    assert "2 compute warpgroups" in unsupported(q, pages, pages, RaggedPagedConfig(), max_q_len=512)
 
 
 def test_refuses_what_it_cannot_take_and_says_why():
