@@ -22,39 +22,49 @@ A token's write scatters K rows (pallas_kernels.reference / eagle3_jax.models.pa
 which costs nothing next to the reads; tensor parallelism shards axis 0 as the contiguous cache's.
 
 Work. Rows of a tile are token * G + g for the G query heads of KV head h (_common's docstring):
-one tile holds TQ = min(64 // G, max_q_len) tokens, in the 64 rows of one warpgroup's wgmma. A sequence of q_len
-tokens takes ceil(q_len / TQ) tiles; the caller bounds q_len by `max_q_len` (static), so the
-grid is (K, splits, S * ceil(max_q_len / TQ)) and tiles past a sequence's queries exit at once.
-Decode (1 token) and verify (gamma + 1 <= TQ tokens) are one tile per (sequence, KV head);
-a prefill chunk is several, each reading only the keys its last row sees.
-- splits: each tile's key blocks are split evenly over `splits` CTAs when the tiles alone leave
-  the H200's SMs idle (batch 1: 8 KV heads for 132 SMs). With one split the CTA writes its
-  tokens' rows of the output; with several, each writes a partial output (normalised, in q's
-  dtype) and its base-2 log-sum-exp per row, merged in XLA (merge_splits) into the tokens' rows.
-- A CTA is two warpgroups. The loader walks the tile's key blocks (block_kv keys, a multiple of
-  64: wgmma's K for P V), reads page ids from the page table in GMEM and issues one TMA per page
-  (or per block_kv-slice of a page larger than a block) for K and for V into a ring of
-  num_stages shared-memory slots. The compute warpgroup runs S = Q K^T (wgmma), the masked
-  online softmax in base 2, P through shared memory, and P V (wgmma), accumulating in registers.
+one tile holds TQ = min(64 // G, max_q_len) tokens in the 64 rows of one warpgroup's wgmma. A
+sequence of q_len tokens takes ceil(q_len / TQ) tiles; the caller bounds q_len by `max_q_len`
+(static), which sets the tiles per sequence, and tiles past a sequence's queries exit at once.
+Decode (1 token) and verify (gamma + 1 <= TQ tokens) are one tile per (sequence, KV head); a
+prefill chunk is several, each reading only the keys its last row sees.
+- A CTA is one loader warpgroup and `wgs` compute warpgroups, each owning one tile of the same
+  sequence: wgs = 1 when a sequence has one tile (decode, verify), 2 when it can have more (a
+  chunk), so two tiles share each key block brought in and one's softmax overlaps the other's
+  matmuls on the tensor cores. Grid: (K, splits, S * ceil(tiles / wgs)).
+- The loader walks the CTA's key blocks (block_kv keys, a multiple of 64: wgmma's K for P V),
+  reads page ids from the page table in GMEM and issues one TMA per page (or per block_kv-slice of
+  a page larger than a block) for K and for V into a ring of num_stages shared-memory slots; a
+  slot is refilled once every compute warpgroup has freed it. A compute warpgroup runs S = Q K^T
+  (wgmma), the masked online softmax in base 2, P through shared memory, and P V (wgmma) into a
+  per-block accumulator added in registers. A compute warpgroup whose tile has no queries only
+  frees the slots.
+- splits: each CTA's key blocks are split evenly over `splits` CTAs when the work alone leaves
+  the H200's SMs idle (batch 1: 8 KV heads for 132 SMs). With one split a CTA writes its tokens'
+  rows of the output; with several, each writes a partial output (normalised, in q's dtype) and
+  its base-2 log-sum-exp per row, merged in XLA (merge_splits: one fusion that reads only the
+  real rows) into the tokens' rows.
 - Q arrives by one TMA per token of its [G, H] heads (tokens past the array read as zeros) into
   an untiled [64, H] buffer, whose rows are then stored into the swizzled tile wgmma reads (an
   untiled buffer takes any row start; a tiled one only multiples of 8). The output leaves through
   the same buffer, one TMA store per token, issued only for the sequence's own tokens (a
   whole-tile store would overwrite the next sequence's tokens).
-- Block slots past the tile's keys re-read its last page in use (so a page-table entry past it is
+- Block slots past the CTA's keys re-read its last page in use (so a page-table entry past it is
   never dereferenced); their keys are masked like any key past a row's position.
+- Shared memory: 128-key blocks in 2 stages with one compute warpgroup (about 180 KB at head_dim
+  128, bf16); two compute warpgroups take 64-key blocks in 4 (RaggedPagedConfig.for_kernel).
 
-Interpret mode (jax 0.12's plgpu.InterpretGPUParams) runs this kernel unchanged on the CPU: every
-TMA, barrier, page lookup, mask, split and the merge are tested there (tests/
-test_ragged_paged_attention.py). It does not check the swizzled layouts, the wgmma itself or
-timing; the H200 does (eagle3_jax_bench/paged_attention.py compares every timed shape with the
-XLA path). P goes through shared memory (not registers) and each block's P V is its own
-accumulator added in registers, the forms the interpreter runs (FA3's register P and
-run_state accumulator do not run there); decode and verify are bandwidth bound, so the few
-hundred cycles this costs per block hide under the next block's TMA.
-Long queries. The same kernel serves prefill chunks with 64-row tiles and no ping-pong:
-correct, but slower than FlashAttention-3's structure (prefill_attention_mgpu.py); the
-measured rate is in the bench.
+Testing. jax 0.12's Mosaic GPU interpreter (plgpu.InterpretGPUParams) runs this kernel unchanged
+on the CPU: every TMA (and its zero fill past the array), barrier, page lookup, mask, split, the
+two compute warpgroups (also under its race detector) and the merge are tested there
+(tests/test_ragged_paged_attention.py). It does not check swizzled or tiled layouts (identities
+there), the wgmma itself, register layouts, ptxas or timing; the H200 does: `pytest -m gpu`
+(the same file, at Qwen3-8B heads) and eagle3_jax_bench/paged_attention.py, which compares every
+timed row with today's contiguous kernel on the same keys. P goes through shared memory (not
+registers) and each block's P V is its own accumulator added in registers: the forms the
+interpreter runs (FA3's register P and run_state accumulator do not run there). Decode and verify
+are bandwidth bound, so the few hundred cycles this costs per block hide under the next block's
+TMA; for prefill chunks it is a cost against FlashAttention-3's structure
+(prefill_attention_mgpu.py), which the bench's chunk rows measure.
 """
 
 import dataclasses
