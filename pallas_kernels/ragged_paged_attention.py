@@ -141,9 +141,10 @@ def tokens_per_tile(group: int, max_q_len: int) -> int:
     return max(1, min(ROWS // group, max_q_len))  # (1 for a group over 64 rows, which unsupported refuses)
 
 
-def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConfig(), *, max_q_len=None,
+def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig | None = None, *, max_q_len=None,
                 interpret=False) -> str | None:
-    """Why this kernel cannot take these operands, or None when it can (max_q_len: as the entry's).
+    """Why this kernel cannot take these operands, or None when it can (max_q_len: as the entry's;
+    config None: the defaults the entry would take, RaggedPagedConfig.for_kernel).
 
     Compiled, wgmma needs 16-bit operands (f32 would be tf32, whose transposed V operand Hopper
     lacks); interpreted, float32 runs too, so the CPU tests check the indexing at f32 precision.
@@ -162,10 +163,11 @@ def unsupported(q, k_pages, v_pages, config: RaggedPagedConfig = RaggedPagedConf
         return f"needs a group size dividing {ROWS} (query heads per KV head), got {G} = {N} // {K}"
     if page_size % 8:
         return f"needs page_size a multiple of 8, got {page_size} (tiled shared-memory slices)"
-    if config.block_kv % page_size and page_size % config.block_kv:
-        return f"needs page_size dividing block_kv={config.block_kv} or a multiple of it, got {page_size}"
     tq = tokens_per_tile(G, max_q_len or q.shape[0])
     warpgroups = compute_warpgroups(-(-(max_q_len or q.shape[0]) // tq))
+    config = config or RaggedPagedConfig.for_kernel(H, q.dtype.itemsize, warpgroups)
+    if config.block_kv % page_size and page_size % config.block_kv:
+        return f"needs page_size dividing block_kv={config.block_kv} or a multiple of it, got {page_size}"
     smem = config.smem_bytes(H, q.dtype.itemsize, warpgroups)
     if smem > _SMEM_BYTES:
         return f"needs {smem} bytes of shared memory with {config} and {warpgroups} compute warpgroups, " \

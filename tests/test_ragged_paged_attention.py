@@ -205,6 +205,7 @@ def test_default_tunings_fit_a_hopper_block():
     assert RaggedPagedConfig.for_kernel(128, 2, 2, num_stages=2).block_kv == 64  # given fields win
     q, pages = jnp.ones((512, 32, 128), jnp.bfloat16), jnp.ones((8, 4, 64, 128), jnp.bfloat16)
     assert unsupported(q, pages, pages, chunk, max_q_len=512) is None
+    assert unsupported(q, pages, pages, max_q_len=512) is None  # no config: the entry's defaults
     assert "2 compute warpgroups" in unsupported(q, pages, pages, RaggedPagedConfig(), max_q_len=512)
 
 
@@ -270,3 +271,30 @@ def test_kernel_on_a_hopper_gpu_at_qwen3_8b_heads(case, dtype):
     args = ragged_batch(5, q_lens, kv_lens, K=8, G=4, H=128, page_size=page_size, dtype=dtype)
     out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=max(q_lens), **tuning)
     check(out, paged_attention_reference(*args, scale=128**-0.5), args[5], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("on_hopper,kernels,dtype,expected", [
+    (True, "pallas", jnp.bfloat16, "kernel"),
+    (True, "pallas_attention", jnp.float16, "kernel"),
+    (True, "xla", jnp.bfloat16, "xla"),
+    (False, "pallas", jnp.bfloat16, "xla"),  # other GPUs, the CPU
+    (True, "pallas", jnp.float32, "xla"),  # wgmma takes 16-bit operands
+])
+def test_the_model_entry_takes_the_kernel_only_on_hopper_for_pallas_attention(monkeypatch, on_hopper, kernels,
+                                                                            dtype, expected):
+    """paged_attention.attend: the Mosaic GPU kernel on a Hopper GPU with Pallas attention and operands
+    it takes, the XLA path otherwise (spies: neither a Hopper GPU nor the interpreter is the point)."""
+    import pallas_kernels
+    from eagle3_jax.models import kernels as kernels_lib
+    from eagle3_jax.models import paged_attention
+
+    called = []
+    monkeypatch.setattr(kernels_lib, "hopper", lambda: on_hopper)
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", lambda q, *a, **k: called.append("kernel") or q)
+    monkeypatch.setattr(paged_attention, "paged_attention_xla", lambda q, *a, **k: called.append("xla") or q)
+    q, pages = jnp.ones((4, 8, 128), dtype), jnp.ones((2, 4, 16, 128), dtype)
+    table, lens, cu = jnp.zeros((1, 4), jnp.int32), jnp.array([4]), jnp.array([0, 4])
+    paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels)
+    assert called == [expected]
+    with pytest.raises(ValueError, match="batch-invariant paged attention is not implemented"):
+        paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels_lib.EXACT)

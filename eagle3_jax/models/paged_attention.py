@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.attention import _widen_on_cpu
 from eagle3_jax.models.layers import apply_rope, rms_norm
 
@@ -68,6 +70,30 @@ def rotate_and_write_pages(qkv, cos, sin, k_pages, v_pages, page_table, seq, pos
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q[None], cos[None], sin[None])[0], apply_rope(k[None], cos[None], sin[None])[0]
     return (q, *write_pages(k_pages, v_pages, page_table, seq, positions, k, v))
+
+
+def attend(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, max_q_len: int, kernels: str) -> jax.Array:
+    """Ragged paged attention of q [T, N, H] -> [T, N, H]: the Mosaic GPU kernel where it runs
+    (uses_paged_kernel), the XLA path everywhere else.
+
+    EXACT (Engine(exact=True)) is refused: neither path is batch-invariant (the kernel's split count
+    follows the batch), and a paged form of pallas_kernels.invariant_attention does not exist yet.
+    """
+    if kernels_lib.exact(kernels):
+        raise ValueError(f"kernels={kernels!r}: batch-invariant paged attention is not implemented")
+    scale = q.shape[-1] ** -0.5
+    if uses_paged_kernel(q, k_pages, v_pages, max_q_len=max_q_len, kernels=kernels, on_hopper=kernels_lib.hopper()):
+        return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale,
+                                                     max_q_len=max_q_len)
+    return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale, max_q_len=max_q_len)
+
+
+def uses_paged_kernel(q, k_pages, v_pages, *, max_q_len: int, kernels: str, on_hopper: bool) -> bool:
+    """The kernel runs on a Hopper GPU (wgmma), when Pallas attention is chosen and it takes the
+    operands (bf16/f16, head_dim 64/128/256, a group size dividing 64, page sizes it tiles); the XLA
+    path runs on the CPU, on other GPUs and for everything else."""
+    return (on_hopper and kernels_lib.attention_in_pallas(kernels)
+            and pallas_kernels.ragged_paged_unsupported(q, k_pages, v_pages, max_q_len=max_q_len) is None)
 
 
 def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale: float, max_q_len: int):
