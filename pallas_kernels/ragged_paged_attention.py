@@ -357,7 +357,7 @@ def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: in
     Tokens past cu_q_lens[-1] get zeros."""
     splits, _, K, _, H = part.shape
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens, token, side="right").astype(jnp.int32) - 1  # [T]
+    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all").astype(jnp.int32) - 1  # [T]
     real = token < cu_q_lens[-1]
     seq = jnp.clip(seq, 0, cu_q_lens.shape[0] - 2)
     local = token - cu_q_lens[seq]

@@ -25,7 +25,7 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -
     (no sequence) and position -1, which write_pages drops."""
     S = kv_lens.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens, token, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all").astype(jnp.int32) - 1
     real = token < cu_q_lens[-1]
     seq = jnp.clip(seq, 0, S - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
@@ -127,7 +127,7 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
     probs = jnp.where(jnp.isnan(probs), 0.0, probs).astype(dtype).astype(qs.dtype)  # rows with no key: zeros
     out = jnp.einsum("skgqt,ksth->sqkgh", probs, v, preferred_element_type=jnp.float32).astype(dtype)
     out = out.reshape(S, max_q_len, N, H)
-    token = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right").astype(jnp.int32) - 1, 0, S - 1)
-    local = jnp.clip(token - cu_q_lens[seq], 0, max_q_len - 1)
-    return jnp.where((token < cu_q_lens[-1])[:, None, None], out[seq, local], 0).astype(dtype)
+    seq, _ = token_positions(cu_q_lens, kv_lens, T)  # S: no sequence
+    real, seq = seq < S, jnp.minimum(seq, S - 1)
+    local = jnp.clip(jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq], 0, max_q_len - 1)
+    return jnp.where(real[:, None, None], out[seq, local], 0).astype(dtype)
