@@ -232,6 +232,8 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
 
     @pl.when((num_keys > 0) & (wg < wgs))
     def _compute():
+        if wgs > 1:  # three warpgroups share the register file: the loader needs few (as in the prefill kernel)
+            plgpu.set_max_registers(232, action="increase")
         tile = pair * wgs + wg
         first = tile * tq
         mine = first < q_len  # this warpgroup's tile has queries
@@ -256,6 +258,8 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
 
     @pl.when((num_keys > 0) & (wg == wgs))
     def _load():
+        if wgs > 1:
+            plgpu.set_max_registers(40, action="decrease")
         last_page = lax.div(num_keys - 1, page_size)  # the CTA's last page in use
 
         @pl.loop(lo, hi)
