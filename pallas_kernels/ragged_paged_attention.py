@@ -8,9 +8,9 @@ Contract (paged_attention_reference in reference.py is the plain statement of it
 - k_pages, v_pages [K, P, page_size, H]: one layer's page pool, already holding the new tokens.
 - page_table [S, pages_per_seq] int32: sequence s's key j sits in page page_table[s, j // page_size]
   at slot j % page_size. Entries past a sequence's last page in use are never read (any value).
-- kv_lens [S] int32: keys of sequence s, its new tokens included (kv_len >= q_len). Query i of
-  sequence s sits at position kv_len - q_len + i and sees keys 0 .. that position (causal among
-  the new queries, all of the cached prefix).
+- kv_lens [S] int32: keys of sequence s, its new tokens included (q_len <= kv_len <=
+  pages_per_seq * page_size). Query i of sequence s sits at position kv_len - q_len + i and sees
+  keys 0 .. that position (causal among the new queries, all of the cached prefix).
 - Every slot of a page in use holds finite values (the pool starts zeroed and is only ever written
   with K/V): the TMA moves whole pages, so a page's slots past kv_len are read, their logits
   masked to -inf, and 0 * NaN would still be NaN in P V.
@@ -260,7 +260,9 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
     def _load():
         if wgs > 1:
             plgpu.set_max_registers(40, action="decrease")
-        last_page = lax.div(num_keys - 1, page_size)  # the CTA's last page in use
+        # The CTA's last page in use; clamped to the table, so keys past pages_per_seq * page_size (a
+        # broken precondition) read a wrong page, never past the table.
+        last_page = jnp.minimum(lax.div(num_keys - 1, page_size), pt_ref.shape[1] - 1)
 
         @pl.loop(lo, hi)
         def _(i):
@@ -273,7 +275,7 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
                 sources = [(page, pl.ds(0, page_size), pl.ds(j * page_size, page_size)) for j, page in enumerate(pages)]
             else:
                 per_page = page_size // bkv
-                page = pt_ref[seq, lax.div(i, per_page)]
+                page = pt_ref[seq, jnp.minimum(lax.div(i, per_page), last_page)]
                 sources = [(page, pl.ds(lax.rem(i, per_page) * bkv, bkv), pl.ds(0, bkv))]
             for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
 
