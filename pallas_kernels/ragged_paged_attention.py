@@ -18,8 +18,8 @@ Contract (paged_attention_reference in reference.py is the plain statement of it
 Layout. Pages are [K, P, page_size, H], KV-head major, so one (head, page) is one contiguous
 page_size x H block and one TMA of page_size * H * 2 bytes (4 KiB at page 16, 32 KiB at page 128)
 moves it, where a token-major [P, page_size, K, H] page would be page_size strided 256-byte rows.
-A token's write scatters K rows (pallas_kernels.reference / eagle3_jax.models.paged_attention),
-which costs nothing next to the reads; tensor parallelism shards axis 0 as the contiguous cache's.
+A token's write scatters K rows (eagle3_jax.models.paged_attention.write_pages), which costs
+nothing next to the reads; tensor parallelism shards axis 0 as the contiguous cache's.
 
 Work. Rows of a tile are token * G + g for the G query heads of KV head h (_common's docstring):
 one tile holds TQ = min(64 // G, max_q_len) tokens in the 64 rows of one warpgroup's wgmma. A

@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache, and the write of new tokens into pages: the XLA path.
+"""Attention over a paged KV cache (the model's entry, `attend`, and the XLA path), and the write of
+new tokens into pages.
 
 A layer's pages are k_pages, v_pages [K, P, page_size, H] (KV-head major: why, in
 pallas_kernels/ragged_paged_attention.py); sequence s's key j sits in page page_table[s, j //
@@ -6,7 +7,8 @@ page_size] at slot j % page_size. A step's queries are one flat batch of T token
 tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1, and query i of it sits at position kv_len[s] - q_len[s]
 + i (kv_lens count the new tokens). This module computes the same thing as the Mosaic GPU kernel in
 plain jnp, for the CPU and GPUs other than Hopper, and is the kernel's test oracle beside the dense
-reference (pallas_kernels.reference.paged_attention_reference).
+reference (pallas_kernels.reference.paged_attention_reference). The writes are XLA scatters only:
+a Mosaic GPU form of pallas_kernels.rope_cache_write for pages does not exist yet.
 """
 
 from __future__ import annotations
