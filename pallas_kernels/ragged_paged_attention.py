@@ -352,7 +352,8 @@ def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q
         part_ref, lse_ref = outs
         lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_raw, part_ref.at[split, part_index, head])
+        real = pl.ds(0, tq * G)  # the tile's rows that hold tokens: decode writes G rows, not 64
+        plgpu.copy_smem_to_gmem(q_raw.at[real], part_ref.at[split, part_index, head, real])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, part_index, head])
     plgpu.wait_smem_to_gmem(0)
 
