@@ -16,6 +16,13 @@ small ops around it (each module's docstring says why it exists and what it meas
                                                                 rows, each expert's weights read once
   rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, *, num_heads, q_norm, k_norm, eps,
                    interpret=False)                             q/k norm + RoPE + KV-cache write
+  ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, max_q_len=None,
+                         interpret=False, **RaggedPagedConfig fields)
+                                                                decode, verify and prefill chunks of a
+                                                                ragged token batch over paged KV (Mosaic
+                                                                GPU; interpret=True: jax's GPU interpreter)
+  paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale)
+                                                                its oracle, one sequence at a time
 
 Attention:
 q [B, T, N, H]; caches [B, K, S, H] already holding the T new tokens at
@@ -86,6 +93,9 @@ from pallas_kernels.attention import (
 from pallas_kernels.invariant_attention import InvariantConfig, invariant_attention
 from pallas_kernels.prefill_attention_mgpu import prefill_attention_mgpu
 from pallas_kernels.prefill_attention_mgpu import unsupported as mosaic_prefill_unsupported
+from pallas_kernels.ragged_paged_attention import RaggedPagedConfig, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import unsupported as ragged_paged_unsupported
+from pallas_kernels.reference import paged_attention_reference
 from pallas_kernels.rope_cache_write import rope_cache_write
 from pallas_kernels.routed_experts import ExpertsConfig, moe_experts
 from pallas_kernels.routed_experts import unsupported as moe_experts_unsupported
@@ -96,6 +106,7 @@ __all__ = [
     "ExpertsConfig",
     "InvariantConfig",
     "PrefillConfig",
+    "RaggedPagedConfig",
     "SkinnyConfig",
     "add_rms_norm",
     "attention_reference",
@@ -104,8 +115,11 @@ __all__ = [
     "moe_experts",
     "moe_experts_unsupported",
     "mosaic_prefill_unsupported",
+    "paged_attention_reference",
     "prefill_attention",
     "prefill_attention_mgpu",
+    "ragged_paged_attention",
+    "ragged_paged_unsupported",
     "rope_cache_write",
     "skinny_matmul",
     "skinny_matmul_reference",

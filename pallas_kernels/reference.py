@@ -26,3 +26,25 @@ def attention_reference(q, k_cache, v_cache, start, *, scale):
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bksh->btkgh", p, v, precision=jax.lax.Precision.HIGHEST)
     return o.reshape(B, T, N, H).astype(q.dtype)
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale):
+    """Ragged paged attention, one sequence at a time on concrete arrays: the oracle for the paged paths.
+
+    q [T, N, H]; k_pages, v_pages [K, P, page_size, H]; page_table [S, pages_per_seq]; kv_lens [S];
+    cu_q_lens [S + 1]. Each sequence's keys are assembled page by page into a contiguous cache, and
+    attention_reference attends its q_len queries at start kv_len - q_len. Returns [T, N, H] in q's
+    dtype, zeros for tokens past cu_q_lens[-1].
+    """
+    out = jnp.zeros(q.shape, q.dtype)
+    page_size = k_pages.shape[2]
+    for s in range(page_table.shape[0]):
+        lo, hi, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        if hi == lo:
+            continue
+        pages = [int(page_table[s, j]) for j in range(-(-kv_len // page_size))]
+        k = jnp.concatenate([k_pages[:, p] for p in pages], axis=1)[None, :, :kv_len]  # [1, K, kv_len, H]
+        v = jnp.concatenate([v_pages[:, p] for p in pages], axis=1)[None, :, :kv_len]
+        start = jnp.array([kv_len - (hi - lo)], jnp.int32)
+        out = out.at[lo:hi].set(attention_reference(q[None, lo:hi], k, v, start, scale=scale)[0])
+    return out

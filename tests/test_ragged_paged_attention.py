@@ -1,0 +1,302 @@
+"""Ragged paged attention: the Mosaic GPU kernel in jax's GPU interpreter, the XLA path, and the page
+write, against the dense reference (pallas_kernels.reference.paged_attention_reference), which
+assembles each sequence's cache page by page and runs attention_reference on it.
+
+Batches mix decode (1 query), verify (gamma + 1 = 4) and prefill-chunk queries over KV lengths
+that end on, before and after page edges, with pages in shuffled order. Pages no sequence uses hold
+NaN and page-table entries past a sequence's pages are out of range: a path that reads either turns
+its output NaN. Slots past kv_len inside a page in use hold large finite values (the kernel's
+precondition: it reads them, masked), which a leaked key or value would dominate.
+What the interpreter does not check (swizzled layouts, wgmma, timing) the H200 bench does
+(eagle3_jax_bench/paged_attention.py compares each timed shape with the XLA path).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from eagle3_jax.models import attention, kv_cache
+from eagle3_jax.models.paged_attention import (
+    paged_attention_xla,
+    rotate_and_write_pages,
+    token_positions,
+    write_pages,
+)
+from pallas_kernels.ragged_paged_attention import RaggedPagedConfig, ragged_paged_attention, unsupported
+from pallas_kernels.reference import paged_attention_reference
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def ragged_batch(seed, q_lens, kv_lens, *, K, G, H, page_size, dtype, spare_pages=3, extra_tokens=2):
+    """(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens) with shuffled pages (see the docstring)."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = max(-(-n // page_size) for n in kv_lens) + 1
+    used = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(used) + spare_pages
+    order = rng.permutation(num_pages)
+    table = np.full((len(kv_lens), pages_per_seq), num_pages + 5, np.int32)  # past the pool: never read
+    k = rng.standard_normal((K, num_pages, page_size, H)).astype(np.float32)
+    v = rng.standard_normal((K, num_pages, page_size, H)).astype(np.float32)
+    referenced = np.zeros(num_pages, bool)
+    taken = 0
+    for s, (n, u) in enumerate(zip(kv_lens, used)):
+        table[s, :u] = order[taken:taken + u]
+        taken += u
+        referenced[table[s, :u]] = True
+        last, fill = table[s, u - 1], n - (u - 1) * page_size
+        k[:, last, fill:], v[:, last, fill:] = 30.0, 1e3  # past kv_len in a page in use: finite, loud
+    k[:, ~referenced], v[:, ~referenced] = np.nan, np.nan
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]) + extra_tokens, K * G, H)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table),
+            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu))
+
+
+def check(out, ref, cu_q_lens, dtype):
+    n = int(cu_q_lens[-1])
+    out, ref = np.asarray(out[:n].astype(jnp.float32)), np.asarray(ref[:n].astype(jnp.float32))
+    assert np.isfinite(out).all(), "unwritten output, or a page or slot past kv_len leaked"
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err < TOLERANCE[dtype], err
+
+
+# (q_lens, kv_lens, page_size, G): decode, verify and chunk queries in one batch; kv_len on a page
+# edge, one before and one after it, one key only; a sequence with no queries (skipped).
+MIXES = [
+    ([1, 4, 36, 1], [16, 17, 47, 1], 16, 4),
+    ([4, 0, 1, 4, 9], [8, 5, 31, 4, 64], 8, 2),
+    ([1, 4, 1], [129, 255, 128], 128, 4),
+]
+
+
+@pytest.mark.parametrize("mix,dtype", [(MIXES[0], jnp.float32), (MIXES[0], jnp.bfloat16), (MIXES[1], jnp.float32),
+                                       (MIXES[2], jnp.bfloat16)], ids=["page16-f32", "page16-bf16", "page8-f32",
+                                                                       "page128-bf16"])
+def test_xla_path_matches_the_dense_reference(mix, dtype):
+    q_lens, kv_lens, page_size, G = mix
+    args = ragged_batch(0, q_lens, kv_lens, K=2, G=G, H=64, page_size=page_size, dtype=dtype)
+    out = paged_attention_xla(*args, scale=0.125, max_q_len=max(q_lens))
+    assert out.shape == args[0].shape and out.dtype == dtype
+    check(out, paged_attention_reference(*args, scale=0.125), args[5], dtype)
+    assert not np.asarray(out[int(args[5][-1]):]).any()  # tokens of no sequence: zeros
+
+
+# (mix, dtype, tuning): pages smaller than a key block (several TMAs per block), equal to one, and
+# larger (a block is a slice of a page); one split and several, merged in XLA. The chunk of MIXES[0]
+# takes two compute warpgroups per CTA (bf16 and three splits: the race test below).
+KERNEL_CASES = [
+    (MIXES[0], jnp.float32, dict(block_kv=64, num_splits=1)),
+    (MIXES[1], jnp.float32, dict(block_kv=64, num_splits=2)),
+    (MIXES[2], jnp.bfloat16, dict(block_kv=64, num_splits=1)),
+    (MIXES[2], jnp.float32, dict(block_kv=128, num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("mix,dtype,tuning", KERNEL_CASES, ids=["f32-1split", "page8-f32-2splits", "page128-bf16",
+                                                               "page128-f32-block128"])
+def test_kernel_in_the_gpu_interpreter_matches_the_xla_path_and_the_reference(mix, dtype, tuning):
+    q_lens, kv_lens, page_size, G = mix
+    args = ragged_batch(1, q_lens, kv_lens, K=2, G=G, H=64, page_size=page_size, dtype=dtype)
+    out = ragged_paged_attention(*args, scale=0.125, max_q_len=max(q_lens), interpret=True, **tuning)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    check(out, paged_attention_reference(*args, scale=0.125), args[5], dtype)
+    check(out, paged_attention_xla(*args, scale=0.125, max_q_len=max(q_lens)), args[5], dtype)
+
+
+def test_no_data_races_between_the_loader_and_two_compute_warpgroups():
+    """The interpreter's happens-before race detector over a chunk of three tiles (two CTAs of two
+    compute warpgroups, the last with no queries for its second) sharing a 2-slot ring, in three
+    splits, beside a decode sequence whose CTA's second warpgroup only frees slots; bf16."""
+    args = ragged_batch(6, [36, 1], [100, 9], K=1, G=4, H=64, page_size=16, dtype=jnp.bfloat16)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = ragged_paged_attention(*args, scale=0.125, max_q_len=36, interpret=params, block_kv=64, num_splits=3)
+    check(out, paged_attention_reference(*args, scale=0.125), args[5], jnp.bfloat16)
+
+
+def test_kernel_default_splits_for_a_batch_of_one_decode():
+    """Batch 1 decode: the default split count (one wave) over 5 pages of 8, one head group of 8."""
+    args = ragged_batch(2, [1], [37], K=1, G=8, H=64, page_size=8, dtype=jnp.bfloat16)
+    assert RaggedPagedConfig(block_kv=64).splits_for(1, args[3].shape[1] * 8) == 1  # 48 slots: one block
+    config = RaggedPagedConfig(block_kv=64, wave=4)
+    assert config.splits_for(1, 512) == 4 and config.splits_for(3, 512) == 1 and config.splits_for(1, 130) == 3
+    out = ragged_paged_attention(*args, scale=0.125, max_q_len=1, interpret=True, block_kv=64)
+    check(out, paged_attention_reference(*args, scale=0.125), args[5], jnp.bfloat16)
+
+
+def test_token_positions_and_write_pages_match_the_contiguous_cache():
+    """New K/V written into shuffled pages equal kv_cache.write into a contiguous cache, read back
+    through the page table; tokens of no sequence and positions past the table write nothing."""
+    K, H, page_size = 2, 16, 8
+    q_lens, kv_lens = [3, 1, 0], [10, 17, 4]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    seq, pos = token_positions(cu, lens, 6)
+    assert seq.tolist() == [0, 0, 0, 1, 3, 3] and pos.tolist() == [7, 8, 9, 16, -1, -1]
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.permutation(9).reshape(3, 3), jnp.int32)
+    pages = jnp.asarray(rng.standard_normal((K, 9, page_size, H)), jnp.float32)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((6, K, H)), jnp.float32) for _ in range(2))
+    k_pages, v_pages = write_pages(pages, pages, table, seq, pos, new_k, new_v)
+    dense = pages[:, table].reshape(K, 3, 3 * page_size, H).transpose(1, 0, 2, 3)  # [S, K, L, H]
+    for new, paged in ((new_k, k_pages), (new_v, v_pages)):
+        per_seq = jnp.zeros((3, 3, K, H)).at[jnp.array([0, 0, 0, 1]), jnp.array([0, 1, 2, 0])].set(new[:4])
+        positions = jnp.array([[7, 8, 9], [16, 99, 99], [99, 99, 99]])  # 99: past the cache, dropped
+        expected = kv_cache.write(dense, per_seq, positions)
+        got = paged[:, table].reshape(K, 3, 3 * page_size, H).transpose(1, 0, 2, 3)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    past = write_pages(pages, pages, table, jnp.array([0]), jnp.array([3 * page_size]), new_k[:1], new_v[:1])
+    np.testing.assert_array_equal(np.asarray(past[0]), np.asarray(pages))
+
+
+def test_rotate_and_write_pages_matches_the_contiguous_path():
+    """q/k norm + RoPE + page write equals attention.rotate_and_cache (XLA) for the same tokens."""
+    N, K, H, page_size = 4, 2, 16, 8
+    rng = np.random.default_rng(4)
+    T = 5
+    qkv = jnp.asarray(rng.standard_normal((T, (N + 2 * K) * H)), jnp.float32)
+    cos, sin = (jnp.asarray(rng.standard_normal((T, H)), jnp.float32) for _ in range(2))
+    q_norm, k_norm = (jnp.asarray(rng.standard_normal(H), jnp.float32) for _ in range(2))
+    table = jnp.asarray([[2, 0]], jnp.int32)
+    pages = jnp.zeros((K, 3, page_size, H), jnp.float32)
+    positions = jnp.arange(6, 6 + T, dtype=jnp.int32)  # crosses the edge of page 2 into page 0
+    q, k_pages, v_pages = rotate_and_write_pages(qkv, cos, sin, pages, pages, table, jnp.zeros(T, jnp.int32),
+                                                 positions, num_heads=N, q_norm=q_norm, k_norm=k_norm, eps=1e-6)
+    cache = jnp.zeros((1, K, 2 * page_size, H), jnp.float32)
+    q_ref, k_ref, v_ref = attention.rotate_and_cache(qkv[None], cos[None], sin[None], cache, cache,
+                                                     jnp.array([6], jnp.int32), num_heads=N, q_norm=q_norm,
+                                                     k_norm=k_norm, eps=1e-6, kernels="xla")
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref[0]))
+    for paged, ref in ((k_pages, k_ref), (v_pages, v_ref)):
+        np.testing.assert_array_equal(np.asarray(paged[:, table[0]].reshape(K, 2 * page_size, H)), np.asarray(ref[0]))
+
+
+def _lower(T, S, pages_per_seq, page_size, max_q_len, **tuning):
+    """The kernel lowered for CUDA on this CPU host at Qwen3-8B heads (32 / 8, head_dim 128), bf16."""
+    q = jax.ShapeDtypeStruct((T, 32, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, S * pages_per_seq, page_size, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((S, pages_per_seq), jnp.int32)
+    kv_lens, cu = jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S + 1,), jnp.int32)
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, scale=128**-0.5, max_q_len=max_q_len, **tuning))
+    return fn.trace(q, pages, pages, table, kv_lens, cu).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "shape,tuning",
+    [
+        ((1, 1, 2048, 16, 1), {}),  # decode, batch 1, 32k keys: split, merged in XLA
+        ((64, 64, 256, 64, 1), {}),  # decode, batch 64: one split
+        ((32, 8, 64, 128, 4), {"block_kv": 64, "num_stages": 4}),  # verify; pages larger than a block
+        ((512, 1, 64, 128, 512), {}),  # a prefill chunk
+    ],
+    ids=["decode-b1", "decode-b64", "verify-page128", "chunk512"],
+)
+def test_lowers_for_cuda_at_qwen3_8b_shapes(shape, tuning):
+    assert _lower(*shape, **tuning).count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+def test_default_tunings_fit_a_hopper_block():
+    """128-key blocks in 2 stages for decode and verify (one compute warpgroup); a chunk's two compute
+    warpgroups at head_dim 128 take 64-key blocks in 4 stages, which fit where the defaults would not."""
+    assert RaggedPagedConfig.for_kernel(128, 2, 1) == RaggedPagedConfig()
+    chunk = RaggedPagedConfig.for_kernel(128, 2, 2)
+    assert (chunk.block_kv, chunk.num_stages) == (64, 4)
+    assert RaggedPagedConfig().smem_bytes(128, 2, 2) > 227 * 1024 >= chunk.smem_bytes(128, 2, 2)
+    assert RaggedPagedConfig.for_kernel(128, 2, 2, num_stages=2).block_kv == 64  # given fields win
+    q, pages = jnp.ones((512, 32, 128), jnp.bfloat16), jnp.ones((8, 4, 64, 128), jnp.bfloat16)
+    assert unsupported(q, pages, pages, chunk, max_q_len=512) is None
+    assert unsupported(q, pages, pages, max_q_len=512) is None  # no config: the entry's defaults
+    assert "2 compute warpgroups" in unsupported(q, pages, pages, RaggedPagedConfig(), max_q_len=512)
+
+
+def test_refuses_what_it_cannot_take_and_says_why():
+    def operands(T=4, N=8, K=2, H=64, page_size=16, dtype=jnp.bfloat16, page_dtype=None):
+        q = jnp.ones((T, N, H), dtype)
+        pages = jnp.ones((K, 4, page_size, H), page_dtype or dtype)
+        return q, pages, pages, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), jnp.array([0, 1, 2])
+
+    for kwargs, tuning, message in [
+        ({"page_size": 12}, {}, "page_size a multiple of 8, got 12"),
+        ({"page_size": 48}, {}, "page_size dividing block_kv=128 or a multiple of it, got 48"),
+        ({"dtype": jnp.float32}, {}, "float32"),
+        ({"page_dtype": jnp.float16}, {}, "one dtype"),
+        ({"H": 96}, {}, "head_dim 64, 128 or 256, got 96"),
+        ({"N": 10}, {}, "group size dividing 64"),
+        ({"H": 256}, {"num_stages": 4}, "bytes of shared memory"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ragged_paged_attention(*operands(**kwargs), scale=1.0, **tuning)
+    assert unsupported(*operands(dtype=jnp.float32)[:3], interpret=True) is None
+    q, k, v, table, lens, cu = operands()
+    for bad, message in [
+        ((q[0], k, v, table, lens, cu), "q must be"),
+        ((q, k, v[:1], table, lens, cu), "must match"),
+        ((q, k, v, table, lens[:1], cu), "kv_lens"),
+        ((q, k, v, table[0], lens, cu), "page_table must be"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ragged_paged_attention(*bad, scale=1.0)
+    for max_q_len in (0, 2.0, True):
+        with pytest.raises(ValueError, match="max_q_len"):
+            ragged_paged_attention(q, k, v, table, lens, cu, scale=1.0, max_q_len=max_q_len)
+    for tuning, message in [({"block_kv": 96}, "block_kv"), ({"num_stages": 1}, "num_stages"),
+                            ({"num_splits": 0}, "num_splits"), ({"wave": 0}, "wave")]:
+        with pytest.raises(ValueError, match=message):
+            RaggedPagedConfig(**tuning)
+
+
+# (q_lens, kv_lens, page_size, tuning): Qwen3-8B heads on the GPU. Ragged mixes with a chunk longer
+# than one tile, KV lengths that end mid-page, the default split count and forced ones, every page size.
+GPU_CASES = [
+    ([1, 4, 70, 1], [1000, 4100, 333, 16384], 16, {}),
+    ([1, 1, 1, 1], [1024, 7, 32768, 129], 64, {}),
+    ([4, 4, 4], [4096, 4100, 8], 128, {"block_kv": 64, "num_stages": 4}),
+    ([1], [32768], 16, {"num_splits": 1}),
+    ([512], [4096], 64, {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run: pytest -m gpu on one)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=["mix", "decode", "verify-page128", "one-split", "chunk"])
+def test_kernel_on_a_hopper_gpu_at_qwen3_8b_heads(case, dtype):
+    """The compiled kernel (swizzled layouts, wgmma, ptxas: what the interpreter cannot check) against
+    the dense reference; pages no sequence uses are NaN, as in the CPU tests."""
+    from eagle3_jax.models.kernels import hopper
+
+    if not hopper():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+    q_lens, kv_lens, page_size, tuning = case
+    args = ragged_batch(5, q_lens, kv_lens, K=8, G=4, H=128, page_size=page_size, dtype=dtype)
+    out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=max(q_lens), **tuning)
+    check(out, paged_attention_reference(*args, scale=128**-0.5), args[5], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("on_hopper,kernels,dtype,expected", [
+    (True, "pallas", jnp.bfloat16, "kernel"),
+    (True, "pallas_attention", jnp.float16, "kernel"),
+    (True, "xla", jnp.bfloat16, "xla"),
+    (False, "pallas", jnp.bfloat16, "xla"),  # other GPUs, the CPU
+    (True, "pallas", jnp.float32, "xla"),  # wgmma takes 16-bit operands
+])
+def test_the_model_entry_takes_the_kernel_only_on_hopper_for_pallas_attention(monkeypatch, on_hopper, kernels,
+                                                                            dtype, expected):
+    """paged_attention.attend: the Mosaic GPU kernel on a Hopper GPU with Pallas attention and operands
+    it takes, the XLA path otherwise (spies: neither a Hopper GPU nor the interpreter is the point)."""
+    import pallas_kernels
+    from eagle3_jax.models import kernels as kernels_lib
+    from eagle3_jax.models import paged_attention
+
+    called = []
+    monkeypatch.setattr(kernels_lib, "hopper", lambda: on_hopper)
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention", lambda q, *a, **k: called.append("kernel") or q)
+    monkeypatch.setattr(paged_attention, "paged_attention_xla", lambda q, *a, **k: called.append("xla") or q)
+    q, pages = jnp.ones((4, 8, 128), dtype), jnp.ones((2, 4, 16, 128), dtype)
+    table, lens, cu = jnp.zeros((1, 4), jnp.int32), jnp.array([4]), jnp.array([0, 4])
+    paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels)
+    assert called == [expected]
+    with pytest.raises(ValueError, match="batch-invariant paged attention is not implemented"):
+        paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels_lib.EXACT)
