@@ -36,12 +36,11 @@ def unsupported(x, delta, weight) -> str | None:
     if D % _LANES:
         return f"needs a hidden size that is a multiple of {_LANES}, got {D}"
     dtypes = {jnp.dtype(a.dtype) for a in (x, weight) + (() if delta is None else (delta,))}
-    if len(dtypes) != 1 or (dtype := dtypes.pop()) not in _DTYPES:
+    if len(dtypes) != 1 or dtypes.pop() not in _DTYPES:
         kinds = [str(a.dtype) for a in (x, delta, weight) if a is not None]
         return f"needs x, delta and weight all bf16, f16 or f32, got {', '.join(kinds)}"
     if x.size == 0:
         return f"needs at least one row, got x {x.shape}"
-    del dtype
     return None
 
 
@@ -53,7 +52,7 @@ def vector_size(D: int, dtype) -> int:
     return vec
 
 
-def _kernel(*refs, eps, with_delta, interpret):
+def _kernel(*refs, eps, with_delta):
     # x_ref, delta_ref (with_delta): [M, D]; w_ref: [D]; sum_ref (with_delta), normed_ref: [M, D]
     if with_delta:
         x_ref, delta_ref, w_ref, sum_ref, normed_ref = refs
@@ -82,7 +81,7 @@ def _add_rms_norm(x, delta, weight, *, eps, interpret):
     with_delta = delta is not None
     out = jax.ShapeDtypeStruct((M, D), x.dtype)
     return plgpu.kernel(
-        functools.partial(_kernel, eps=eps, with_delta=with_delta, interpret=interpret),
+        functools.partial(_kernel, eps=eps, with_delta=with_delta),
         out_type=(out, out) if with_delta else (out,),
         grid=(M,),
         grid_names=("rows",),
