@@ -85,6 +85,7 @@ def _add_rms_norm(x, delta, weight, *, eps, interpret):
         out_type=(out, out) if with_delta else (out,),
         grid=(M,),
         grid_names=("rows",),
+        kernel_name="add_rms_norm_mgpu",  # eagle3_jax_bench/profile.py groups kernels by name
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*((x, delta, weight) if with_delta else (x, weight)))
 
