@@ -65,13 +65,14 @@ def _kernel(*refs, eps, with_delta):
     def load(ref):
         return plgpu.load(ref, layout=layout, optimized=True)
 
+    w = load(w_ref)  # issued with the row's loads, not after the reduction's barrier
     x = load(x_ref.at[row])
     if with_delta:
         x = x + load(delta_ref.at[row])
         plgpu.store(sum_ref.at[row], x)
     x32 = x.astype(jnp.float32)
     inv_rms = lax.rsqrt(jnp.sum(x32 * x32) / D + eps)
-    normed = load(w_ref) * (x32 * inv_rms).astype(x.dtype)
+    normed = w * (x32 * inv_rms).astype(x.dtype)
     plgpu.store(normed_ref.at[row], normed)
 
 

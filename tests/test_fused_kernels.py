@@ -13,6 +13,7 @@ from eagle3_jax.models.attention import rotate_and_cache
 from eagle3_jax.models.layers import add_rms_norm, norm_lowering
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
 from pallas_kernels import add_rms_norm_mgpu, rope_cache_write
+from pallas_kernels.add_rms_norm_mgpu import vector_size
 
 from cuda_lowering import lower_for_cuda
 
@@ -73,6 +74,12 @@ def test_add_rms_norm_mgpu_refuses_what_it_cannot_take():
         add_rms_norm_mgpu(f32(2, 128), f32(2, 64), f32(128), eps=1e-6)
     with pytest.raises(ValueError, match="norm weight"):
         add_rms_norm_mgpu(f32(2, 128), None, f32(64), eps=1e-6)
+
+
+def test_add_rms_norm_mgpu_vector_size():
+    """Each thread's loads: 16 bytes where the row's share per lane allows, narrower where it does not."""
+    assert [vector_size(D, jnp.bfloat16) for D in (4096, 5120, 2560, 1024, 640)] == [8, 8, 4, 8, 1]
+    assert [vector_size(D, jnp.float32) for D in (4096, 5120, 384)] == [4, 4, 1]
 
 
 def test_norm_lowering():
