@@ -7,7 +7,8 @@ small ops around it (each module's docstring says why it exists and what it meas
   prefill_attention_mgpu(..., *, scale, **MosaicPrefillConfig fields)                Mosaic GPU
   invariant_attention(..., *, scale, interpret=False, **InvariantConfig fields)       decode/verify, T- and
                                                                                     B-invariant (Triton)
-  add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm
+  add_rms_norm(x, delta, weight, *, eps, interpret=False)      residual add + RMSNorm (Triton)
+  add_rms_norm_mgpu(x, delta, weight, *, eps, interpret=False) the same in Mosaic GPU (Hopper's)
   skinny_matmul(x, w, *, out_dtype=None, interpret=False, **SkinnyConfig fields)
                                                                 x @ w.T for few rows, row results
                                                                 independent of the row count
@@ -44,9 +45,12 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
   - Decode is bandwidth-bound and the Triton kernel reads K/V at or above the
     copy rate from batch 8 and 16k keys; faster than plain XLA at all 36
     decode/verify shapes of the benchmark.
-  - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel:
-    add_rms_norm in Mosaic GPU is slower (1.90 against 1.67 us of kernel time;
-    0.655 against 0.502 ms for a jit of 72 calls).
+  - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: an
+    earlier add_rms_norm in Mosaic GPU was slower (1.90 against 1.67 us of
+    kernel time; 0.655 against 0.502 ms for a jit of 72 calls). Hopper takes
+    add_rms_norm_mgpu all the same, since Pallas deprecates Triton;
+    eagle3_jax_bench/norm.py times it against the Triton kernel and XLA, one
+    call and a chain of 72 (eagle3_jax.models.layers.norm_lowering chooses).
   - Masked loads with a dynamic trip count (scf.for, software-pipelined by
     Triton's num_stages) give exactly "read keys < start + T, never garbage",
     where the TMA moves fixed boxes; and wgmma wants 64-row tiles where decode
@@ -83,6 +87,8 @@ tokens x group heads, balanced split-K, LSE merge) carries over to Mosaic GPU.
 """
 
 from pallas_kernels.add_rms_norm import add_rms_norm
+from pallas_kernels.add_rms_norm_mgpu import add_rms_norm_mgpu
+from pallas_kernels.add_rms_norm_mgpu import unsupported as add_rms_norm_mgpu_unsupported
 from pallas_kernels.attention import (
     DecodeConfig,
     PrefillConfig,
@@ -109,6 +115,8 @@ __all__ = [
     "RaggedPagedConfig",
     "SkinnyConfig",
     "add_rms_norm",
+    "add_rms_norm_mgpu",
+    "add_rms_norm_mgpu_unsupported",
     "attention_reference",
     "decode_attention",
     "invariant_attention",

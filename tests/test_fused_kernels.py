@@ -1,5 +1,6 @@
-"""The fused Pallas kernels (interpret mode) against the plain-jnp ops they replace
-(eagle3_jax.models.layers / attention with kernels="xla"). Random inputs; interpret mode starts outputs as
+"""The fused Pallas kernels (interpret mode: Pallas' for the Triton kernels, jax's Mosaic GPU interpreter for
+add_rms_norm_mgpu) against the plain-jnp ops they replace (eagle3_jax.models.layers / attention with
+kernels="xla"), and their lowering for CUDA on this host. Random inputs; interpret mode starts outputs as
 NaN, so a finite output was fully written; cache slots the kernel must not touch hold NaN or random
 data and must come back bit for bit."""
 
@@ -9,13 +10,14 @@ import numpy as np
 import pytest
 
 from eagle3_jax.models.attention import rotate_and_cache
-from eagle3_jax.models.layers import add_rms_norm
+from eagle3_jax.models.layers import add_rms_norm, norm_lowering
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
-from pallas_kernels import rope_cache_write
+from pallas_kernels import add_rms_norm_mgpu, rope_cache_write
+from pallas_kernels.add_rms_norm_mgpu import vector_size
 
 from cuda_lowering import lower_for_cuda
 
-TOLERANCE = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
+TOLERANCE = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
 def _close(got, want, dtype):
@@ -40,6 +42,59 @@ def test_add_rms_norm(D, dtype):
         _close(got[1], want[1], dtype)
     with pytest.raises(ValueError, match="does not fit"):
         pallas_add_rms_norm(x, delta[..., :16], w, eps=1e-6)
+
+
+# 128: one element per lane; 640: a vector of 5 halves into 2-wide loads (not a power of 2); 5120: Qwen3-32B.
+@pytest.mark.parametrize("rows, D, dtype", [((3,), 128, jnp.bfloat16), ((1, 5), 640, jnp.float32),
+                                            ((2,), 640, jnp.float16), ((1, 3), 5120, jnp.bfloat16)])
+def test_add_rms_norm_mgpu(rows, D, dtype):
+    """In jax's Mosaic GPU interpreter, which starts outputs as NaN: every element written, the sum exact."""
+    kx, kd, kw = jax.random.split(jax.random.key(D), 3)
+    x = jax.random.normal(kx, (*rows, D), jnp.float32).astype(dtype)
+    delta = jax.random.normal(kd, (*rows, D), jnp.float32).astype(dtype)
+    w = (1 + 0.1 * jax.random.normal(kw, (D,), jnp.float32)).astype(dtype)
+    for d in (delta, None):
+        got = add_rms_norm_mgpu(x, d, w, eps=1e-6, interpret=True)
+        want = add_rms_norm(x, d, w, 1e-6, "xla")
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        _close(got[1], want[1], dtype)
+
+
+def test_add_rms_norm_mgpu_refuses_what_it_cannot_take():
+    f32 = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    with pytest.raises(ValueError, match="multiple of 128, got 48"):
+        add_rms_norm_mgpu(f32(2, 48), f32(2, 48), f32(48), eps=1e-6)
+    with pytest.raises(ValueError, match="bfloat16, float32"):
+        add_rms_norm_mgpu(f32(2, 128).astype(jnp.bfloat16), f32(2, 128), f32(128), eps=1e-6)
+    with pytest.raises(ValueError, match="int32"):
+        add_rms_norm_mgpu(f32(2, 128).astype(jnp.int32), None, f32(128).astype(jnp.int32), eps=1e-6)
+    with pytest.raises(ValueError, match="at least one row"):
+        add_rms_norm_mgpu(f32(0, 128), None, f32(128), eps=1e-6)
+    with pytest.raises(ValueError, match="does not fit"):
+        add_rms_norm_mgpu(f32(2, 128), f32(2, 64), f32(128), eps=1e-6)
+    with pytest.raises(ValueError, match="norm weight"):
+        add_rms_norm_mgpu(f32(2, 128), None, f32(64), eps=1e-6)
+
+
+def test_add_rms_norm_mgpu_vector_size():
+    """Each thread's loads: 16 bytes where the row's share per lane allows, narrower where it does not."""
+    assert [vector_size(D, jnp.bfloat16) for D in (4096, 5120, 2560, 1024, 640)] == [8, 8, 4, 8, 1]
+    assert [vector_size(D, jnp.float32) for D in (4096, 5120, 384)] == [4, 4, 1]
+
+
+def test_norm_lowering():
+    """Hopper takes Mosaic GPU where the kernel takes the operands and XLA where not; other devices the
+    Triton kernel; kernels="xla" always XLA."""
+    x, w = jnp.zeros((1, 4096), jnp.bfloat16), jnp.zeros((4096,), jnp.bfloat16)
+    small, small_w = jnp.zeros((1, 48), jnp.bfloat16), jnp.zeros((48,), jnp.bfloat16)
+    for kernels in ("pallas", "exact"):
+        assert norm_lowering(x, x, w, kernels, on_hopper=True) == "mosaic_gpu"
+        assert norm_lowering(x, None, w, kernels, on_hopper=True) == "mosaic_gpu"
+        assert norm_lowering(small, small, small_w, kernels, on_hopper=True) == "xla"
+        assert norm_lowering(x, x, w, kernels, on_hopper=False) == "triton"
+    for kernels in ("xla", "pallas_attention"):
+        assert norm_lowering(x, x, w, kernels, on_hopper=True) == "xla"
+        assert norm_lowering(x, x, w, kernels, on_hopper=False) == "xla"
 
 
 def _qkv_inputs(dtype, B=2, T=3, N=6, K=2, H=16, S=8):
@@ -84,6 +139,21 @@ def test_rope_cache_write_refuses_what_does_not_fit():
         rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=6, q_norm=q_norm)
     with pytest.raises(ValueError, match="cos"):
         rope_cache_write(qkv, cos[:, :1], sin, k_cache, v_cache, start, num_heads=6)
+
+
+@pytest.mark.parametrize("D", [4096, 5120])  # Qwen3-8B, Qwen3-32B
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_mgpu_lowers_for_cuda(D, with_delta):
+    """The Mosaic GPU lowering runs on a CPU host (its layout and shape checks; not ptxas), with no device."""
+    bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    if with_delta:
+        norm = jax.jit(lambda x, d, w: add_rms_norm_mgpu(x, d, w, eps=1e-6))
+        args = (bf16(8, 4, D), bf16(8, 4, D), bf16(D))
+    else:
+        norm = jax.jit(lambda x, w: add_rms_norm_mgpu(x, None, w, eps=1e-6))
+        args = (bf16(8, 4, D), bf16(D))
+    text = norm.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "triton" not in text
 
 
 def test_fused_kernels_lower_to_triton():

@@ -2,7 +2,8 @@
 
 Every GPU kernel against its plain-jnp reference in every dtype the API offers (bfloat16, float16,
 float32), at Qwen3-8B head shapes: the Triton decode/verify and prefill attention, the Mosaic GPU prefill
-(bf16/f16; float32 takes the Triton kernel), the fused add + RMSNorm and q/k norm + RoPE + cache write.
+(bf16/f16; float32 takes the Triton kernel), the fused add + RMSNorm (Mosaic GPU on Hopper, Triton elsewhere)
+and q/k norm + RoPE + cache write.
 Then the engine at a Qwen3-1.7B shape (random weights): in float32 the Pallas kernels give XLA's tokens,
 spec and spec-off alike; in every dtype speculation runs at batch 8, and the rate at which 16-bit
 speculative output agrees with spec-off output is printed (it can differ at near-ties: README).
@@ -20,7 +21,7 @@ import pallas_kernels
 from eagle3_jax.models.attention import rotate_and_cache, uses_mosaic_prefill
 from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.kernels import hopper
-from eagle3_jax.models.layers import add_rms_norm, rope_tables
+from eagle3_jax.models.layers import add_rms_norm, norm_lowering, rope_tables
 from eagle3_jax_bench import inputs, presets
 
 pytestmark = [
@@ -81,6 +82,14 @@ def test_fused_kernels(dtype):
     w = (1 + 0.1 * jax.random.normal(keys[2], (D,))).astype(dtype)
     for got, want in zip(add_rms_norm(x, delta, w, 1e-6, "pallas"), add_rms_norm(x, delta, w, 1e-6, "xla")):
         assert _rel_err(got, want) < TOLERANCE[dtype]
+    assert norm_lowering(x, delta, w, "pallas", on_hopper=hopper()) == ("mosaic_gpu" if hopper() else "triton")
+    wide = [(jax.random.normal(k, (3, 5120), jnp.float32) + 1).astype(dtype) for k in keys[:3]]  # Qwen3-32B
+    cases = ((x, delta, w), (x[:1, :3], None, w), (x[:3, :1], delta[:3, :1], w), (wide[0], wide[1], wide[2][0]))
+    # Hopper's kernel only there: the Triton one would raise under -W "error:The Pallas Triton backend is deprecated"
+    kernel = pallas_kernels.add_rms_norm_mgpu if hopper() else pallas_kernels.add_rms_norm
+    for rows, d, weight in cases:
+        for got, want in zip(kernel(rows, d, weight, eps=1e-6), add_rms_norm(rows, d, weight, 1e-6, "xla")):
+            assert _rel_err(got, want) < TOLERANCE[dtype]
     S = 1024
     qkv = jax.random.normal(keys[3], (B, T, (N + 2 * K) * H), jnp.float32).astype(dtype)
     positions = jax.random.randint(keys[4], (B, T), 0, 40000)

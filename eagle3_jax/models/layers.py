@@ -22,12 +22,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, kernels: str):
     """The residual add and the norm after it: (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
-    One kernel instead of three with the Pallas kernels (pallas_kernels/add_rms_norm.py)."""
-    if kernels_lib.fused_in_pallas(kernels):
+    One kernel instead of three with the Pallas kernels, lowered as norm_lowering chooses."""
+    lowering = norm_lowering(x, delta, weight, kernels, on_hopper=kernels_lib.hopper())
+    if lowering == "mosaic_gpu":
+        return pallas_kernels.add_rms_norm_mgpu(x, delta, weight, eps=eps)
+    if lowering == "triton":
         return pallas_kernels.add_rms_norm(x, delta, weight, eps=eps, interpret=kernels_lib.interpret())
     if delta is not None:
         x = x + delta
     return x, rms_norm(x, weight, eps)
+
+
+def norm_lowering(x, delta, weight, kernels: str, *, on_hopper: bool) -> str:
+    """Which kernel runs add_rms_norm: "xla", "mosaic_gpu" or "triton".
+
+    With the fused Pallas kernels: on a Hopper GPU the Mosaic GPU kernel (pallas_kernels/add_rms_norm_mgpu.py)
+    where it takes the operands (every Qwen3 hidden size), XLA where it does not; elsewhere (other GPUs, and
+    the CPU tests in Pallas' interpreter) the Triton kernel (pallas_kernels/add_rms_norm.py), which Pallas
+    deprecates and so keeps off the Hopper path."""
+    if not kernels_lib.fused_in_pallas(kernels):
+        return "xla"
+    if on_hopper:
+        return "mosaic_gpu" if pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, weight) is None else "xla"
+    return "triton"
 
 
 def rope_tables(positions: jax.Array, rope: RopeConfig, dtype) -> tuple[jax.Array, jax.Array]:
