@@ -4,11 +4,13 @@
 import queue
 import threading
 
+import numpy as np
 import pytest
 
 import eagle3_jax
+from eagle3_jax.decoding import gamma_policy
 from eagle3_jax.decoding.live import LivePool
-from eagle3_jax.decoding.live_plan import pool_size
+from eagle3_jax.decoding.live_plan import LiveScheduler, live_row, pool_size
 
 import spec_worlds as worlds
 
@@ -96,6 +98,25 @@ def test_abort_frees_the_slot_at_once_and_settings_share_the_pool(world):
         pool.close()
 
 
+def test_auto_gamma_runs_one_policy_over_the_pool(world):
+    """num_draft_tokens="auto" (costs given): each call's gamma follows the pool's acceptance; outputs unchanged."""
+    target, drafter = world
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_len=MAX_LEN, max_batch=2,
+                               round_costs=lambda batch, length: [1.0, 1.05, 1.1, 1.15])
+    alone = eagle3_jax.Engine(target, max_len=MAX_LEN)
+    pool = LivePool(engine)
+    try:
+        runs = [Collector() for _ in PROMPTS[:3]]
+        for p, c in zip(PROMPTS, runs):
+            pool.submit(pool.check(p, 20), c)
+        for p, c in zip(PROMPTS, runs):
+            c.wait()
+            assert c.tokens == alone.generate([p], 20)[0].token_ids
+        assert pool._scheduler.policy.rounds_seen > 0
+    finally:
+        pool.close()
+
+
 def test_bad_requests_are_refused_before_they_queue(world):
     target, _ = world
     pool = LivePool(eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=2), stop_width=2)
@@ -116,3 +137,51 @@ def test_bad_requests_are_refused_before_they_queue(world):
 
 def test_pool_size_is_a_power_of_two_up_to_max_batch():
     assert [pool_size(n, 6) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
+
+
+def packed(gamma, rows):
+    """Round outputs as the device packs them (round_output.py): per row (tokens, accepted, done)."""
+    out = np.zeros((len(rows), 2 * gamma + 6), np.int32)
+    for i, (tokens, accepted, done) in enumerate(rows):
+        out[i, : len(tokens)] = tokens
+        out[i, 2 * gamma + 1 : 2 * gamma + 4] = len(tokens), accepted, done
+    return out
+
+
+def test_each_step_is_decided_as_data():
+    """Admission, release, resize and the call of rounds, as the scheduler decides them, without a device."""
+    scheduler = LiveScheduler(max_batch=4, max_len=64, prefill_tokens=64, rounds_per_call=2,
+                              policy=gamma_policy.Fixed(1), speculative=True)
+
+    def row(n, budget):
+        return live_row([1] * n, budget, [9], max_len=64, vocab_size=48, stop_width=4)
+
+    for i in range(3):
+        scheduler.add(i, row(3, 20))
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.size == 4 and step.resize.tolist() == [0] * 4  # a pool of 4 free slots, allocated
+    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((0, 1, 2), (0, 1, 2), 4)]
+    assert step.rounds == gamma_policy.Call(1) and not step.sampling and step.release == ()
+    # prefill's first tokens (one row per admitted request, padding after), then a round: request 1 stops
+    events = scheduler.read("admit", 1, np.array([0, 1, 2, -1]), packed(1, [([5], 0, 0)] * 3 + [([0], 0, 0)]))
+    assert [(e.request, e.tokens) for e in events] == [(0, [5]), (1, [5]), (2, [5])]
+    rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 9], 1, 1), ([6], 0, 0), ([], 0, 1)])])
+    events = scheduler.read("rounds", 1, scheduler.owner.copy(), rounds)
+    assert [(e.request, e.tokens, e.accepted, e.drafted, e.finish_reason) for e in events] == [
+        (0, [6, 7], 1, 1, None), (1, [6, 9], 1, 1, "stop"), (2, [6], 0, 1, None)]
+    assert scheduler.owner.tolist() == [0, -1, 2, -1] and scheduler.running == 2
+    # an abort frees its slot at once; the next step stops its row, and a newcomer takes the first free slot
+    assert scheduler.abort(0).finish_reason == "abort" and scheduler.abort(0) is None
+    scheduler.add(3, row(20, 5))
+    step = scheduler.plan(rounds_in_flight=1)
+    assert step.release == (0,) and step.resize is None and step.rounds is None  # admitted: read first
+    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((3,), (0,), 1)]
+    # one request left in a pool of four, nothing in flight: the pool shrinks to one slot, its row first
+    scheduler.abort(3)
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.size == 1 and step.resize.tolist() == [2] and scheduler.owner.tolist() == [2]
+    assert step.release == (0,) and step.rounds == gamma_policy.Call(1)
+    # a call ahead only when no running row can finish in the one in flight (2 rounds of up to 2 tokens)
+    assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 18 tokens left
+    scheduler.requests[2].left = 4
+    assert scheduler.plan(rounds_in_flight=1).rounds is None

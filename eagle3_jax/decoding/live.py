@@ -26,9 +26,8 @@ import jax
 import numpy as np
 
 from eagle3_jax.decoding import gamma_policy, slots
-from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, stack
+from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row, stack
 from eagle3_jax.decoding.request import Request
-from eagle3_jax.decoding.sampling import SamplingParams
 
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
 
@@ -74,20 +73,10 @@ class LivePool:
 
     def check(self, prompt, max_new_tokens, stop_token_ids=(), *, temperature=0.0, top_k=0, top_p=1.0,
               seed=None) -> Request:
-        """The one-row request `submit` queues for these arguments (Engine.generate's, for one prompt), at the
-        pool's stop width; ValueError for any bad value."""
-        stops = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
-        if isinstance(stops, list) and len(stops) > self.stop_width:
-            raise ValueError(f"at most {self.stop_width} stop token ids per request, got {len(stops)}")
-        cfg = self.engine.target.config
-        row = Request.build([prompt], max_new_tokens, stops, max_len=self.engine.max_len, vocab_size=cfg.vocab_size,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        stop_ids = np.full((1, self.stop_width), -1, np.int32)
-        given = row.stop_ids[0][row.stop_ids[0] >= 0]
-        stop_ids[0, : len(given)] = given
-        sampling = row.sampling or SamplingParams(np.zeros(1, np.float32), np.zeros(1, np.int32),
-                                                  np.ones(1, np.float32), np.zeros((1, 2), np.uint32))
-        return dataclasses.replace(row, stop_ids=stop_ids, sampling=sampling)
+        """The one-row request `submit` queues for these arguments (live_plan.live_row)."""
+        return live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
+                        vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def submit(self, row: Request, on_event: Callable[[Event], None]) -> int:
         """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's

@@ -217,6 +217,24 @@ class LiveScheduler:
         return events
 
 
+def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
+             temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+    """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
+    whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
+    even when greedy (temperature 0), so that every row of a live pool has the same fields."""
+    stops = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
+    if isinstance(stops, list) and len(stops) > stop_width:
+        raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
+    row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stop_ids = np.full((1, stop_width), -1, np.int32)
+    given = row.stop_ids[0][row.stop_ids[0] >= 0]
+    stop_ids[0, : len(given)] = given
+    sampling = row.sampling or SamplingParams(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+                                              np.zeros((1, 2), np.uint32))
+    return dataclasses.replace(row, stop_ids=stop_ids, sampling=sampling)
+
+
 def pool_size(rows: int, max_batch: int) -> int:
     """The slots of a pool that holds `rows`: the power of two at or above, at most max_batch."""
     return min(1 << max(rows - 1, 0).bit_length(), max_batch)
