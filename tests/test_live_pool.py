@@ -135,8 +135,8 @@ def test_bad_requests_are_refused_before_they_queue(world):
         pool.submit(pool.check([1], 1), queue.Queue().put)
 
 
-def test_pool_size_is_a_power_of_two_up_to_max_batch():
-    assert [pool_size(n, 6) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
+def test_pool_size_is_a_power_of_four_up_to_max_batch():
+    assert [pool_size(n, 20) for n in (0, 1, 2, 4, 5, 16, 17, 20)] == [1, 1, 4, 4, 16, 16, 20, 20]
 
 
 def packed(gamma, rows):

@@ -3,7 +3,7 @@ decision of each step as data (`Step`) for a runner to execute (live.py).
 
 A request waits in arrival order until a slot is free; `plan` then admits it (prefill into a slot), frees the
 slots of aborted requests, resizes the pool to the batch it needs, and picks the next call of rounds. The pool
-holds `size` slots, a power of two up to max_batch: enough for the running and waiting requests, so that a
+holds `size` slots, a power of four up to max_batch: enough for the running and waiting requests, so that a
 lone request runs rounds of one row, not of max_batch. `read` attributes one operation's transfer to the
 requests that held its rows when it was dispatched (the owner snapshot travels with the operation), so a row
 that finished or was aborted while the operation was in flight is ignored.
@@ -236,8 +236,13 @@ def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_s
 
 
 def pool_size(rows: int, max_batch: int) -> int:
-    """The slots of a pool that holds `rows`: the power of two at or above, at most max_batch."""
-    return min(1 << max(rows - 1, 0).bit_length(), max_batch)
+    """The slots of a pool that holds `rows`: the power of four at or above, at most max_batch. Powers of four
+    keep the compiled pool sizes few (each size compiles its calls of rounds) while a pool pads its live rows
+    at most fourfold, which costs little where decoding reads weights, not rows."""
+    size = 1
+    while size < rows:
+        size *= 4
+    return min(size, max_batch)
 
 
 def stack(rows: list[Request], num_rows: int, max_len: int) -> Request:
