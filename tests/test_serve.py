@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import eagle3_jax
+from eagle3_jax.cli import main
 
 import spec_worlds as worlds
 
@@ -325,3 +326,12 @@ def test_a_key_and_signals_drain_requests_in_flight(folders, sig):
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
+
+
+def test_serve_refuses_bad_arguments_before_loading(folders, capsys):
+    assert main(["serve", "--target", str(folders / "drafter")]) == 2
+    assert "has no tokenizer: the server needs one" in capsys.readouterr().err
+    for flags, message in [(["--drain-s", "-1"], "--drain-s must be >= 0"),
+                           (["--num-draft-tokens", "auto"], "pass --drafter")]:
+        with pytest.raises(SystemExit, match=message):
+            main(["serve", "--target", str(folders / "target"), *flags])

@@ -158,10 +158,6 @@ class LivePool:
             if callback is not None:
                 callback(event)
 
-    def _spec(self, rows: Request, sampled: bool):
-        """The build of a call or prefill over these rows: greedy unless one of them samples."""
-        return self.engine._build(rows) if sampled else self.engine.spec
-
     def _execute(self, step: Step) -> None:
         engine, scheduler, steps = self.engine, self._scheduler, self.engine._steps
         params = (engine.target.params, engine._draft_params)
@@ -177,7 +173,7 @@ class LivePool:
         for admission in step.admissions:
             rows = stack([scheduler.requests[r].row for r in admission.requests], admission.rows, max_len)
             sampled = bool(np.any(rows.sampling.temperature > 0))
-            spec = engine._prefill_build(self._spec(rows, sampled))
+            spec = engine._prefill_build(engine._build(rows) if sampled else engine.spec)
             fresh, packed = steps.prefill(*params, steps.put(rows), spec=spec)
             targets = np.full((admission.rows,), step.size, np.int32)
             targets[: len(admission.slots)] = admission.slots
@@ -186,7 +182,7 @@ class LivePool:
             owners[: len(admission.requests)] = admission.requests
             self._queue.append(("admit", packed, engine.num_draft_tokens, owners))
         if step.rounds is not None:
-            spec = dataclasses.replace(self._spec(scheduler.busy_settings(), step.sampling), gamma=step.rounds.gamma,
-                                       flush=step.rounds.flush)
+            build = engine._build(scheduler.busy_settings()) if step.sampling else engine.spec
+            spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
             self._state, packed = steps.rounds(*params, self._state, spec=spec, num_rounds=engine.rounds_per_call)
             self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))

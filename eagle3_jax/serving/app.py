@@ -87,6 +87,8 @@ class Generation:
 
     def __init__(self, state: ServerState, settings: dict, stops: list[str]):
         self.state = state
+        if state.pool.error is not None:
+            raise ApiError(503, f"the pool failed: {state.pool.error!r}", "server_error")
         try:
             self.row = state.pool.check(**settings)
         except ValueError as e:
