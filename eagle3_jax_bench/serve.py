@@ -131,34 +131,31 @@ def generate_speeds(engine, requests) -> list[float]:
     return speeds
 
 
-def measure(run: Run, w, mode: str, args, client) -> None:
+def serving(w, mode: str, args) -> tuple:
+    """(engine, Serving) of one mode: spec "auto" with the planted drafter, or the target alone."""
     drafter = w.drafters[args.tau][1] if mode == "auto" else None
     engine = eagle3_jax.Engine(w.target, drafter, num_draft_tokens="auto" if drafter else 1,
                                max_draft_tokens=args.max_gamma if drafter else None, max_len=args.max_len,
                                max_batch=max(args.users))
-    serving = Serving(engine, stand_in_tokenizer(w.target.config.vocab_size))
-    try:
-        for users, count in zip(args.users, args.requests):
-            if not run.time_left(f"{mode} users={users}"):
-                continue
-            requests = workload(w.world, count, args.lengths, args.budgets, seed=users)
-            start = time.perf_counter()
-            client.submit(load.run_load, serving.url, "bench", [(p, min(m, 4)) for p, m in requests], users,
-                          0.0).result()
-            warm_s = time.perf_counter() - start
-            with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here
-                results = client.submit(load.run_load, serving.url, "bench", requests, users,
-                                        args.think_s).result()
-            row = {"mode": mode, "users": users, "warm_up_s": warm_s, "compilations": compiles.count,
-                   **summary(results, requests, w.world)}
-            if users == 1:
-                base = generate_speeds(engine, requests)
-                row["generate_tokens_per_s_mean"] = float(np.mean(base))
-                row["one_user_vs_generate"] = float(np.mean(np.array(row["request_speeds"]) / np.array(base)))
-            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "request_speeds"}
-            run.add("serve", row, shown)
-    finally:
-        serving.close()
+    return engine, Serving(engine, stand_in_tokenizer(w.target.config.vocab_size))
+
+
+def measure(run: Run, w, mode: str, engine, server: Serving, users: int, count: int, args, client) -> None:
+    """One level of one mode: an untimed pass with max_tokens cut to 4 (it compiles), then the timed one."""
+    requests = workload(w.world, count, args.lengths, args.budgets, seed=users)
+    start = time.perf_counter()
+    client.submit(load.run_load, server.url, "bench", [(p, min(m, 4)) for p, m in requests], users, 0.0).result()
+    warm_s = time.perf_counter() - start
+    with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here
+        results = client.submit(load.run_load, server.url, "bench", requests, users, args.think_s).result()
+    row = {"mode": mode, "users": users, "warm_up_s": warm_s, "compilations": compiles.count,
+           **summary(results, requests, w.world)}
+    if users == 1:
+        base = generate_speeds(engine, requests)
+        row["generate_tokens_per_s_mean"] = float(np.mean(base))
+        row["one_user_vs_generate"] = float(np.mean(np.array(row["request_speeds"]) / np.array(base)))
+    shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "request_speeds"}
+    run.add("serve", row, shown)
 
 
 def table(rows: list[dict]) -> str:
@@ -185,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gamma", type=int, default=3)
     parser.add_argument("--think-s", type=float, default=0.05, help="mean think time between a user's requests")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--budget-s", type=float, default=1e9, help="no new level starts after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="no new measurement starts after this many s")
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset, two levels of a few requests")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -204,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     w = planted.build(run, plan, dtype)
     spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as client:
-        for mode in args.modes:
-            measure(run, w, mode, args, client)
+    servers = {mode: serving(w, mode, args) for mode in args.modes}  # both at once: levels in order, modes side by side
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as client:
+            for users, count in zip(args.users, args.requests):
+                for mode, (engine, server) in servers.items():
+                    if run.time_left(f"{mode} users={users}"):
+                        measure(run, w, mode, engine, server, users, count, args, client)
+    finally:
+        for _, server in servers.values():
+            server.close()
     print(table(run.results.get("serve", [])))
     return 0
 
