@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 import eagle3_jax
 from eagle3_jax.cli import main
+from eagle3_jax.serving.server import OPENAI_DEFAULTS, request_defaults
 
 import spec_worlds as worlds
 
@@ -139,7 +140,7 @@ def test_text_token_ids_chat_and_streams_equal_offline_generation(server, offlin
     got = client.completions.create(model="tiny", prompt=words(prompt), max_tokens=40, temperature=0)
     assert got.choices[0].text == text and got.choices[0].finish_reason == "stop"
     check_usage(got.usage, 3, tokens, accepts)
-    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=40)  # generation_config.json: greedy
     assert got.choices[0].text == text
     ((long, _, long_text, _),) = offline([prompt], 40, stops=())
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
@@ -335,3 +336,11 @@ def test_serve_refuses_bad_arguments_before_loading(folders, capsys):
                            (["--num-draft-tokens", "auto"], "pass --drafter")]:
         with pytest.raises(SystemExit, match=message):
             main(["serve", "--target", str(folders / "target"), *flags])
+
+
+def test_omitted_settings_come_from_generation_config_else_openais_temperature_1(tmp_path):
+    assert request_defaults(tmp_path) == OPENAI_DEFAULTS == {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_k": 20}')
+    assert request_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "top_p": 1.0}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')  # no do_sample: greedy
+    assert request_defaults(tmp_path)["temperature"] == 0.0

@@ -48,10 +48,6 @@ class Step:
     rounds: object | None  # the call of rounds to dispatch (gamma_policy.Call), None: none this step
     sampling: bool  # whether the call's rows include a sampled one (the sampling build); else the greedy one
 
-    @property
-    def empty(self) -> bool:
-        return not (self.release or self.resize is not None or self.admissions or self.rounds is not None)
-
 
 @dataclasses.dataclass(frozen=True)
 class Event:
