@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (eagle3_jax/serving) under load, through HTTP, spec on ("auto") against spec off,
 on a planted-acceptance world (planted_world.py) at a preset's shapes.
 
-    python -m eagle3_jax_bench.serve --out DIR [--model qwen3-8b] [--users 1 4 16 64] [--requests 6 16 32 64]
+    python -m eagle3_jax_bench.serve --out DIR [--model qwen3-8b] [--users 1 4 16 64] [--requests 4 16 32 64]
         [--lengths 128 2048] [--budgets 64 512] [--tau 3] [--max-gamma 3] [--think-s 0.05] [--budget-s 1e9]
     python -m eagle3_jax_bench.serve --out DIR --dry-run     (the tiny preset on the CPU, a few requests)
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="qwen3-8b", help="a preset's shapes (eagle3_jax_bench/presets.py)")
     parser.add_argument("--users", type=int, nargs="+", help="concurrent users per level (default: 1 4 16 64)")
-    parser.add_argument("--requests", type=int, nargs="+", help="requests per level (default: 6 16 32 64)")
+    parser.add_argument("--requests", type=int, nargs="+", help="requests per level (default: 4 16 32 64)")
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 2048], help="prompt lengths (the pool bench's)")
     parser.add_argument("--budgets", type=int, nargs=2, default=[64, 512], help="max_tokens (the pool bench's)")
     parser.add_argument("--tau", type=float, default=3.0, help="planted tokens per round at the largest gamma")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.model, args.lengths, args.budgets = "tiny", [4, 20], [2, 8]
     args.users = args.users or ([1, 2] if args.dry_run else [1, 4, 16, 64])
-    args.requests = args.requests or ([2, 3] if args.dry_run else [6, 16, 32, 64])
+    args.requests = args.requests or ([2, 3] if args.dry_run else [4, 16, 32, 64])
     if len(args.requests) != len(args.users) or min(args.users + args.requests) < 1:
         parser.error("--requests needs one positive count per level of --users")
     if min(args.lengths + args.budgets) < 1 or args.lengths[0] > args.lengths[1] or args.budgets[0] > args.budgets[1]:
