@@ -153,6 +153,8 @@ def _serve(args) -> int:
         raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
     if args.num_draft_tokens == "auto" and args.tp != 1:
         raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
+    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
+        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
     if args.drain_s < 0:
         raise SystemExit(f"error: --drain-s must be >= 0, got {args.drain_s}")
     import jax
