@@ -1,8 +1,13 @@
 """The live pool: requests submitted while it runs join at the next admission and give their tokens alone
 (greedy, float32; sampled with a seed), aborts free their slot, and rows of different settings share it."""
 
+import os
 import queue
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,3 +190,41 @@ def test_each_step_is_decided_as_data():
     assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 18 tokens left
     scheduler.requests[2].left = 4
     assert scheduler.plan(rounds_in_flight=1).rounds is None
+
+
+MESH_SCRIPT = """
+import threading
+import eagle3_jax
+from eagle3_jax.decoding.live import LivePool
+from eagle3_jax.parallel.mesh import tp_mesh
+import spec_worlds as worlds
+
+_, target = worlds.save_target("random", "{root}/target", layers=4)
+worlds.save_drafter("random", "{root}/drafter", target)
+mesh = tp_mesh(2)
+sharded = eagle3_jax.load_target("{root}/target", dtype="float32", mesh=mesh)
+drafter = eagle3_jax.load_drafter("{root}/drafter", sharded, dtype="float32")
+pool = LivePool(eagle3_jax.Engine(sharded, drafter, num_draft_tokens=2, max_len=64, max_batch=4, mesh=mesh))
+alone = eagle3_jax.Engine(target, max_len=64)
+prompts = [[3, 17, 5], [9, 30], [1, 2, 3, 4, 5, 6]]
+tokens, done = [[] for _ in prompts], [threading.Event() for _ in prompts]
+for i, p in enumerate(prompts):
+    def on_event(e, i=i):
+        tokens[i].extend(e.tokens)
+        e.finished and done[i].set()
+    pool.submit(pool.check(p, 20 + i), on_event)
+assert all(d.wait(300) for d in done)
+pool.close()
+assert tokens == [alone.generate([p], 20 + i)[0].token_ids for i, p in enumerate(prompts)], tokens
+print("mesh ok")
+"""
+
+
+def test_a_pool_on_a_two_device_mesh_gives_each_prompt_its_output_alone(tmp_path):
+    """Tensor parallel over 2 CPU devices (a child process: the device count is fixed at JAX's start)."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(MESH_SCRIPT.format(root=tmp_path))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "mesh ok" in done.stdout, done.stderr[-3000:]

@@ -10,8 +10,10 @@ abort only queue, under a lock the scheduler holds for no device work.
 Requests of different settings share the pool: every row carries its own sampling settings (greedy rows with
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
 rounds runs the engine's greedy build when every running row is greedy, else the sampling build of the running
-rows' settings (sampling.filter_for); the two read the same state. Under num_draft_tokens="auto" one gamma
-policy follows the pool's acceptance, with the round costs of the pool's current size.
+rows' settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
+the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
+num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with the round costs of the pool's
+current size.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class LivePool:
         if not isinstance(stop_width, int) or stop_width < 1:
             raise ValueError(f"stop_width must be a positive int, got {stop_width!r}")
         self.engine, self.stop_width = engine, stop_width
+        # On a mesh the steps' shard_maps fix which state fields exist per build, and only the sampling build's
+        # carry every row's settings: its calls run every row there, greedy rows on its argmax path.
+        self._always_sampling = engine.spec.tp is not None
         if engine.auto:
             policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length: engine.round_costs(
                 self._scheduler.size, length, self._cost_template()))
@@ -167,12 +172,13 @@ class LivePool:
         if step.resize is not None:
             if self._state is None:
                 template = self.check([0], 1).take([], step.size, max_len)
-                self._state = steps.empty(*params, steps.put(template), spec=engine.spec)
+                spec = engine._prefill_build(engine._build(template)) if self._always_sampling else engine.spec
+                self._state = steps.empty(*params, steps.put(template), spec=spec)
             else:
                 self._state = jit_resize(self._state, steps.put(step.resize))
         for admission in step.admissions:
             rows = stack([scheduler.requests[r].row for r in admission.requests], admission.rows, max_len)
-            sampled = bool(np.any(rows.sampling.temperature > 0))
+            sampled = self._always_sampling or bool(np.any(rows.sampling.temperature > 0))
             spec = engine._prefill_build(engine._build(rows) if sampled else engine.spec)
             fresh, packed = steps.prefill(*params, steps.put(rows), spec=spec)
             targets = np.full((admission.rows,), step.size, np.int32)
@@ -182,7 +188,8 @@ class LivePool:
             owners[: len(admission.requests)] = admission.requests
             self._queue.append(("admit", packed, engine.num_draft_tokens, owners))
         if step.rounds is not None:
-            build = engine._build(scheduler.busy_settings()) if step.sampling else engine.spec
+            sampled = step.sampling or self._always_sampling
+            build = engine._build(scheduler.busy_settings()) if sampled else engine.spec
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
             self._state, packed = steps.rounds(*params, self._state, spec=spec, num_rounds=engine.rounds_per_call)
             self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))
