@@ -115,7 +115,7 @@ def offline(folders):
         return [(r.token_ids, r.accept_lengths, tokenizer.decode(r.token_ids, skip_special_tokens=True),
                  r.finish_reason) for r in results]
 
-    run.tokenizer = tokenizer
+    run.tokenizer, run.engine = tokenizer, engine
     return run
 
 
@@ -162,6 +162,17 @@ def test_text_token_ids_chat_and_streams_equal_offline_generation(server, offlin
         stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w6"}],
                                                 max_tokens=30, temperature=0, stream=True, **kwargs)
         assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+
+
+def test_a_seeded_sampled_request_equals_its_offline_run(server, offline):
+    """Temperature 2 flattens the permutation target's distribution: the draws, not the argmax, decide."""
+    prompt, settings = [7, 11], dict(temperature=2.0, top_p=0.9, seed=5)
+    (want,) = offline.engine.generate([prompt], 30, [EOS], **settings)
+    ((greedy, _, _, _),) = offline([prompt], 30)
+    assert want.token_ids != greedy
+    got = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=30, **settings)
+    assert got.choices[0].text == offline.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    assert got.usage.completion_tokens == len(want.token_ids)
 
 
 def test_stop_strings_across_tokens_and_stop_token_ids(server, offline):
