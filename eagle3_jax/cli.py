@@ -1,4 +1,4 @@
-"""The `eagle3-jax` command: generate, convert, train, regenerate, bench."""
+"""The `eagle3-jax` command: generate, serve, convert, train, regenerate, bench."""
 
 from __future__ import annotations
 
@@ -148,6 +148,26 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    if args.num_draft_tokens == "auto" and not args.drafter:
+        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
+    if args.num_draft_tokens == "auto" and args.tp != 1:
+        raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
+    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
+        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
+    if args.drain_s < 0:
+        raise SystemExit(f"error: --drain-s must be >= 0, got {args.drain_s}")
+    import jax
+
+    from eagle3_jax.parallel.mesh import tp_mesh
+    from eagle3_jax.serving.server import serve
+
+    _use_compile_cache(None if args.no_compile_cache else args.compile_cache)
+    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    args.mesh = None if args.tp == 1 else tp_mesh(args.tp)
+    return serve(args)
+
+
 def _convert(args) -> int:
     import eagle3_jax
 
@@ -249,6 +269,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: $EAGLE3_JAX_COMPILE_CACHE, else %(default)s)")
     gen.add_argument("--no-compile-cache", action="store_true", help="compile every time, write no cache")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a live pool (docs/serving.md)")
+    srv.add_argument("--target", required=True, help="Qwen3 target folder, with its tokenizer")
+    srv.add_argument("--drafter", help="EAGLE-3 drafter folder")
+    srv.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
+                     help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
+    srv.add_argument("--max-draft-tokens", type=int, help="with --num-draft-tokens auto: the largest gamma (default 3)")
+    srv.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
+    srv.add_argument("--max-batch", type=int, help="slots of the pool (default: as many as fit, at most 256)")
+    srv.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                     help="the weights' dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    srv.add_argument("--tp", type=int, default=1, help="tensor parallel over this many devices")
+    srv.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (all but /health)")
+    srv.add_argument("--served-model-name", help="the model name clients give (default: the target folder's name)")
+    srv.add_argument("--drain-s", type=float, default=20.0,
+                     help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    srv.add_argument("--compile-cache", default=_default_cache_dir(), metavar="DIR",
+                     help="JAX's persistent compilation cache (default: $EAGLE3_JAX_COMPILE_CACHE, else %(default)s)")
+    srv.add_argument("--no-compile-cache", action="store_true", help="compile every time, write no cache")
+    srv.set_defaults(func=_serve)
     conv = sub.add_parser("convert", help="Hugging Face folder -> orbax folder that loads faster")
     conv.add_argument("src")
     conv.add_argument("dst")

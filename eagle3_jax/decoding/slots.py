@@ -32,3 +32,18 @@ def insert(state: spec_round.DecodeState, fresh: spec_round.DecodeState, slots) 
     """Writes row i of `fresh` (M rows, as prefill built them) into slot slots[i] of the pool `state`; a
     slot index >= N drops its row. Prefill is jitted apart, so its compilations serve every pool size."""
     return jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"), state, fresh)
+
+
+def resize(state: spec_round.DecodeState, index) -> spec_round.DecodeState:
+    """A pool of len(index) slots whose slot i holds the row of `state`'s slot index[i]; an index at or past
+    `state`'s size makes a free slot (a copy of some row, done). Growing or shrinking a live pool: the rows
+    keep their caches and settings whatever slot they move to."""
+    n = state.done.shape[0]
+    moved = jax.tree.map(lambda x: x[jnp.minimum(index, n - 1)], state)
+    return dataclasses.replace(moved, done=moved.done | (index >= n))
+
+
+def release(state: spec_round.DecodeState, slots) -> spec_round.DecodeState:
+    """The rows of these slots stopped (done): an aborted request's row emits nothing more. An index >= N is
+    dropped."""
+    return dataclasses.replace(state, done=state.done.at[slots].set(True, mode="drop"))

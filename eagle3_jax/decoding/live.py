@@ -1,0 +1,195 @@
+"""A live pool: an Engine's slots serving requests that arrive while it runs.
+
+`LivePool.submit` checks a prompt and its settings (ValueError before any device work) and queues it; a
+thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (free aborted rows,
+resize the pool, prefill admissions into their slots, dispatch a call of rounds) and reads the operations'
+transfers in the order they were dispatched, handing each request's tokens to its callback as its rounds
+complete. `abort` frees a request's slot at the next step. Callers never wait on the scheduler: submit and
+abort only queue, under a lock the scheduler holds for no device work.
+
+Requests of different settings share the pool: every row carries its own sampling settings (greedy rows with
+temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
+rounds runs the engine's greedy build when every running row is greedy, else the sampling build of the running
+rows' settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
+the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
+num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with the round costs of the pool's
+current size.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from eagle3_jax.decoding import gamma_policy, slots
+from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row, stack
+from eagle3_jax.decoding.request import Request
+
+STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
+
+jit_resize = jax.jit(slots.resize)
+jit_release = jax.jit(slots.release, donate_argnames=("state",))
+
+
+class LivePool:
+    """An engine's pool serving requests submitted at any time from any thread (see the module docstring)."""
+
+    def __init__(self, engine, stop_width: int = STOP_WIDTH):
+        if not isinstance(stop_width, int) or stop_width < 1:
+            raise ValueError(f"stop_width must be a positive int, got {stop_width!r}")
+        self.engine, self.stop_width = engine, stop_width
+        # On a mesh the steps' shard_maps fix which state fields exist per build, and only the sampling build's
+        # carry every row's settings: its calls run every row there, greedy rows on its argmax path.
+        self._always_sampling = engine.spec.tp is not None
+        if engine.auto:
+            policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length: engine.round_costs(
+                self._scheduler.size, length, self._cost_template()))
+        else:
+            policy = gamma_policy.Fixed(engine.num_draft_tokens)
+        self._scheduler = LiveScheduler(engine.max_batch, engine.max_len, engine.prefill_tokens,
+                                        engine.rounds_per_call, policy, engine.drafter is not None)
+        self._state = None
+        self._queue: collections.deque = collections.deque()  # (kind, packed, gamma, owners) dispatched, unread
+        self._lock = threading.Condition()
+        self._inbox: list[tuple] = []  # ("add", id, row, callback) or ("abort", id), in call order
+        self._callbacks: dict[int, Callable[[Event], None]] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.draft_tokens = self.accepted_tokens = 0
+        self._thread = threading.Thread(target=self._run, name="eagle3-jax-live-pool", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return self._scheduler.running
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot (submitted ones the scheduler has not taken yet included)."""
+        return len(self._scheduler.waiting) + sum(1 for item in list(self._inbox) if item[0] == "add")
+
+    def check(self, prompt, max_new_tokens, stop_token_ids=(), *, temperature=0.0, top_k=0, top_p=1.0,
+              seed=None) -> Request:
+        """The one-row request `submit` queues for these arguments (live_plan.live_row)."""
+        return live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
+                        vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def submit(self, row: Request, on_event: Callable[[Event], None]) -> int:
+        """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's
+        thread for each chunk of tokens, the last with finished=True (finish_reason "stop", "length", "abort",
+        or "error" when the pool failed)."""
+        with self._lock:
+            if self._stopping or self.error is not None:
+                raise RuntimeError("the live pool is closed")
+            request_id = next(self._ids)
+            self._inbox.append(("add", request_id, row, on_event))
+            self._lock.notify()
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stops a request (waiting or running) at the next step; its callback gets finish_reason "abort".
+        Nothing happens for a request that already finished."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._lock.notify()
+
+    def close(self) -> None:
+        """Aborts every request left and stops the pool's thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join()
+
+    def _cost_template(self) -> Request:
+        """The round costs' build: the sampling one of the running rows' settings when one samples, else greedy."""
+        if self._scheduler.samples():
+            return self._scheduler.busy_settings()
+        return self.engine._greedy_template()
+
+    def _take_inbox(self) -> list[Event]:
+        events = []
+        for item in self._inbox:
+            if item[0] == "add":
+                _, request_id, row, callback = item
+                self._callbacks[request_id] = callback
+                self._scheduler.add(request_id, row)
+            else:
+                event = self._scheduler.abort(item[1])
+                if event is not None:
+                    events.append(event)
+        self._inbox.clear()
+        return events
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    events = self._take_inbox()
+                    while not (self._stopping or self._queue or self._scheduler.requests or events):
+                        self._lock.wait()
+                        events = self._take_inbox()
+                    stopping = self._stopping
+                if stopping:
+                    events += [e for r in list(self._scheduler.requests) if (e := self._scheduler.abort(r))]
+                self._deliver(events)
+                if stopping:
+                    return
+                self._execute(self._scheduler.plan(sum(entry[0] == "rounds" for entry in self._queue)))
+                if self._queue:
+                    kind, packed, gamma, owners = self._queue.popleft()
+                    self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed)))
+        except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
+            with self._lock:
+                self.error = e
+                self._take_inbox()
+            self._deliver([Event(r, [], 0, 0, True, "error") for r in list(self._callbacks)])
+
+    def _deliver(self, events: list[Event]) -> None:
+        for event in events:
+            self.draft_tokens += event.drafted
+            self.accepted_tokens += event.accepted
+            callback = self._callbacks.get(event.request)
+            if event.finished:
+                self._callbacks.pop(event.request, None)
+            if callback is not None:
+                callback(event)
+
+    def _execute(self, step: Step) -> None:
+        engine, scheduler, steps = self.engine, self._scheduler, self.engine._steps
+        params = (engine.target.params, engine._draft_params)
+        max_len = engine.max_len
+        if step.release and self._state is not None:
+            self._state = jit_release(self._state, np.array(step.release, np.int32))
+        if step.resize is not None:
+            if self._state is None:
+                template = self.check([0], 1).take([], step.size, max_len)
+                spec = engine._prefill_build(engine._build(template)) if self._always_sampling else engine.spec
+                self._state = steps.empty(*params, steps.put(template), spec=spec)
+            else:
+                self._state = jit_resize(self._state, steps.put(step.resize))
+        for admission in step.admissions:
+            rows = stack([scheduler.requests[r].row for r in admission.requests], admission.rows, max_len)
+            sampled = self._always_sampling or bool(np.any(rows.sampling.temperature > 0))
+            spec = engine._prefill_build(engine._build(rows) if sampled else engine.spec)
+            fresh, packed = steps.prefill(*params, steps.put(rows), spec=spec)
+            targets = np.full((admission.rows,), step.size, np.int32)
+            targets[: len(admission.slots)] = admission.slots
+            self._state = steps.insert(self._state, fresh, steps.put(targets))
+            owners = np.full((admission.rows,), -1, np.int64)
+            owners[: len(admission.requests)] = admission.requests
+            self._queue.append(("admit", packed, engine.num_draft_tokens, owners))
+        if step.rounds is not None:
+            sampled = step.sampling or self._always_sampling
+            build = engine._build(scheduler.busy_settings()) if sampled else engine.spec
+            spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
+            self._state, packed = steps.rounds(*params, self._state, spec=spec, num_rounds=engine.rounds_per_call)
+            self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))

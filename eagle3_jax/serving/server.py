@@ -1,0 +1,101 @@
+"""`eagle3-jax serve`: loads the target (and drafter), builds the engine and its live pool, warms it up, and
+serves the app (app.py) with uvicorn until a signal.
+
+SIGTERM drains: new requests get 503 while the running ones have up to --drain-s seconds to finish; those
+left are then aborted and the server exits 0. SIGINT does the same without waiting (a second one exits at
+once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from eagle3_jax.checkpoints.generation import generation_sampling
+from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
+from eagle3_jax.serving.app import ServerState, build_app
+
+# A request that gives no sampling settings and finds none in generation_config.json samples at temperature 1,
+# as OpenAI's API does.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+def request_defaults(target_folder) -> dict:
+    """The sampling settings a request leaves out: the target's generation_config.json, else OPENAI_DEFAULTS."""
+    return generation_sampling(target_folder) or dict(OPENAI_DEFAULTS)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM or SIGINT drains the live pool before it stops (the module
+    docstring); the signal is not raised again after the server stops, so the process exits 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_s: float):
+        super().__init__(config)
+        self.state, self.drain_s = state, drain_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.draining or self._loop is None:
+            self.force_exit = self.should_exit = True
+            return
+        self.state.draining = True
+        wait = self.drain_s if sig == signal.SIGTERM else 0.0
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(wait)))
+
+    async def _drain(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while self.state.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.state.live):
+            self.state.pool.abort(request_id)
+        deadline = time.monotonic() + 5.0  # the aborted requests' handlers answer, then the server stops
+        while self.state.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def warm_up(pool) -> None:
+    """One short greedy request through the pool, so that the first client does not wait for the compiler."""
+    done = threading.Event()
+    pool.submit(pool.check([0, 0], 2, temperature=0.0), lambda event: event.finished and done.set())
+    if not done.wait(3600) or pool.error is not None:
+        raise RuntimeError(f"the warm-up request failed: {pool.error!r}")
+
+
+def serve(args) -> int:
+    import eagle3_jax
+    from eagle3_jax.decoding.live import LivePool
+
+    tokenizer = load_tokenizer(args.target)
+    if tokenizer is None:
+        raise ValueError(f"{args.target} has no tokenizer: the server needs one for text and chat")
+    dtype, mesh = args.dtype, args.mesh
+    target = eagle3_jax.load_target(args.target, dtype=dtype, mesh=mesh)
+    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=dtype) if args.drafter else None
+    max_len = args.max_len or min(4096, target.config.max_position_embeddings)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
+                               max_batch=args.max_batch, max_draft_tokens=args.max_draft_tokens, mesh=mesh)
+    pool = LivePool(engine)
+    try:
+        warm_up(pool)
+        name = args.served_model_name or Path(args.target).resolve().name
+        state = ServerState(pool, tokenizer, name, request_defaults(args.target), eos_stop_ids(tokenizer),
+                            api_key=args.api_key)
+        config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+                                lifespan="off")
+        print(f"serving {name} on http://{args.host}:{args.port} (max_len {max_len}, {engine.max_batch} slots)",
+              file=sys.stderr, flush=True)
+        DrainingServer(config, state, args.drain_s).run()
+    finally:
+        pool.close()
+    return 0

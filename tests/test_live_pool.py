@@ -1,0 +1,230 @@
+"""The live pool: requests submitted while it runs join at the next admission and give their tokens alone
+(greedy, float32; sampled with a seed), aborts free their slot, and rows of different settings share it."""
+
+import os
+import queue
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import eagle3_jax
+from eagle3_jax.decoding import gamma_policy
+from eagle3_jax.decoding.live import LivePool
+from eagle3_jax.decoding.live_plan import LiveScheduler, live_row, pool_size
+
+import spec_worlds as worlds
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    _, target = worlds.save_target("random", root / "target", layers=4)
+    _, _, drafter = worlds.save_drafter("random", root / "drafter", target)
+    return target, drafter
+
+
+class Collector:
+    """A request's events, gathered on the pool's thread."""
+
+    def __init__(self):
+        self.events, self.done, self.first = [], threading.Event(), threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        self.first.set()
+        if event.finished:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return sum((e.tokens for e in self.events), [])
+
+    def wait(self):
+        assert self.done.wait(120), "the request did not finish"
+        return self.events[-1].finish_reason
+
+
+PROMPTS = [[3, 17, 5], [40, 2, 9, 11, 30, 7], [1] * 20, [8, 8], [44, 12, 19, 27]]
+
+
+def test_requests_submitted_while_it_runs_equal_their_outputs_alone(world):
+    target, drafter = world
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=4)
+    alone = eagle3_jax.Engine(target, max_len=MAX_LEN)
+    expected = [alone.generate([p], 12 + 3 * i)[0].token_ids for i, p in enumerate(PROMPTS)]
+    pool = LivePool(engine)
+    try:
+        first = [Collector() for _ in PROMPTS[:2]]
+        for i, c in enumerate(first):
+            pool.submit(pool.check(PROMPTS[i], 12 + 3 * i), c)
+        assert first[0].first.wait(120)  # the pool runs: the rest join it
+        later = [Collector() for _ in PROMPTS[2:]]
+        for i, c in enumerate(later, start=2):
+            pool.submit(pool.check(PROMPTS[i], 12 + 3 * i), c)
+        for c, want in zip(first + later, expected):
+            assert c.wait() == "length" and c.tokens == want
+            assert sum(e.drafted for e in c.events) >= sum(e.accepted for e in c.events)
+        assert pool.running == 0 and pool.waiting == 0
+        assert pool.draft_tokens > 0 and pool.draft_tokens >= pool.accepted_tokens
+    finally:
+        pool.close()
+
+
+def test_abort_frees_the_slot_at_once_and_settings_share_the_pool(world):
+    target, drafter = world
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=1)
+    pool = LivePool(engine)
+    try:
+        long = Collector()
+        long_id = pool.submit(pool.check(PROMPTS[0], 60), long)
+        assert long.first.wait(120)
+        seeded = Collector()  # waits for the one slot, which only the abort frees before 60 tokens
+        pool.submit(pool.check(PROMPTS[1], 10, temperature=0.9, top_p=0.8, seed=7), seeded)
+        pool.abort(long_id)
+        assert long.wait() == "abort" and len(long.tokens) < 60
+        seeded.wait()
+        (want,) = engine.generate([PROMPTS[1]], 10, temperature=0.9, top_p=0.8, seed=7)
+        assert seeded.tokens == want.token_ids
+        pool.abort(long_id)  # already gone: nothing happens
+        stopped = Collector()  # a greedy row after a sampled one, with a stop id from its own output
+        (plain,) = engine.generate([PROMPTS[3]], 10)
+        pool.submit(pool.check(PROMPTS[3], 10, [plain.token_ids[4]]), stopped)
+        assert stopped.wait() == "stop" and stopped.tokens == plain.token_ids[: plain.token_ids.index(
+            plain.token_ids[4]) + 1]
+        assert pool.running == 0
+    finally:
+        pool.close()
+
+
+def test_auto_gamma_runs_one_policy_over_the_pool(world):
+    """num_draft_tokens="auto" (costs given): each call's gamma follows the pool's acceptance; outputs unchanged."""
+    target, drafter = world
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_len=MAX_LEN, max_batch=2,
+                               round_costs=lambda batch, length: [1.0, 1.05, 1.1, 1.15])
+    alone = eagle3_jax.Engine(target, max_len=MAX_LEN)
+    pool = LivePool(engine)
+    try:
+        runs = [Collector() for _ in PROMPTS[:3]]
+        for p, c in zip(PROMPTS, runs):
+            pool.submit(pool.check(p, 20), c)
+        for p, c in zip(PROMPTS, runs):
+            c.wait()
+            assert c.tokens == alone.generate([p], 20)[0].token_ids
+        assert pool._scheduler.policy.rounds_seen > 0
+    finally:
+        pool.close()
+
+
+def test_bad_requests_are_refused_before_they_queue(world):
+    target, _ = world
+    pool = LivePool(eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=2), stop_width=2)
+    try:
+        with pytest.raises(ValueError, match="at most 2 stop token ids per request, got 3"):
+            pool.check([1, 2], 4, [1, 2, 3])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            pool.check([1, 999], 4)
+        with pytest.raises(ValueError, match="must be shorter than max_len=64"):
+            pool.check([1] * 64, 4)
+        with pytest.raises(ValueError, match="stop_width must be a positive int"):
+            LivePool(pool.engine, stop_width=0)
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(pool.check([1], 1), queue.Queue().put)
+
+
+def test_pool_size_is_a_power_of_four_up_to_max_batch():
+    assert [pool_size(n, 20) for n in (0, 1, 2, 4, 5, 16, 17, 20)] == [1, 1, 4, 4, 16, 16, 20, 20]
+
+
+def packed(gamma, rows):
+    """Round outputs as the device packs them (round_output.py): per row (tokens, accepted, done)."""
+    out = np.zeros((len(rows), 2 * gamma + 6), np.int32)
+    for i, (tokens, accepted, done) in enumerate(rows):
+        out[i, : len(tokens)] = tokens
+        out[i, 2 * gamma + 1 : 2 * gamma + 4] = len(tokens), accepted, done
+    return out
+
+
+def test_each_step_is_decided_as_data():
+    """Admission, release, resize and the call of rounds, as the scheduler decides them, without a device."""
+    scheduler = LiveScheduler(max_batch=4, max_len=64, prefill_tokens=64, rounds_per_call=2,
+                              policy=gamma_policy.Fixed(1), speculative=True)
+
+    def row(n, budget):
+        return live_row([1] * n, budget, [9], max_len=64, vocab_size=48, stop_width=4)
+
+    for i in range(3):
+        scheduler.add(i, row(3, 20))
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.size == 4 and step.resize.tolist() == [0] * 4  # a pool of 4 free slots, allocated
+    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((0, 1, 2), (0, 1, 2), 4)]
+    assert step.rounds == gamma_policy.Call(1) and not step.sampling and step.release == ()
+    # prefill's first tokens (one row per admitted request, padding after), then a round: request 1 stops
+    events = scheduler.read("admit", 1, np.array([0, 1, 2, -1]), packed(1, [([5], 0, 0)] * 3 + [([0], 0, 0)]))
+    assert [(e.request, e.tokens) for e in events] == [(0, [5]), (1, [5]), (2, [5])]
+    rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 9], 1, 1), ([6], 0, 0), ([], 0, 1)])])
+    events = scheduler.read("rounds", 1, scheduler.owner.copy(), rounds)
+    assert [(e.request, e.tokens, e.accepted, e.drafted, e.finish_reason) for e in events] == [
+        (0, [6, 7], 1, 1, None), (1, [6, 9], 1, 1, "stop"), (2, [6], 0, 1, None)]
+    assert scheduler.owner.tolist() == [0, -1, 2, -1] and scheduler.running == 2
+    # an abort frees its slot at once; the next step stops its row, and a newcomer takes the first free slot
+    assert scheduler.abort(0).finish_reason == "abort" and scheduler.abort(0) is None
+    scheduler.add(3, row(20, 5))
+    step = scheduler.plan(rounds_in_flight=1)
+    assert step.release == (0,) and step.resize is None and step.rounds is None  # admitted: read first
+    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((3,), (0,), 1)]
+    # one request left in a pool of four, nothing in flight: the pool shrinks to one slot, its row first
+    scheduler.abort(3)
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.size == 1 and step.resize.tolist() == [2] and scheduler.owner.tolist() == [2]
+    assert step.release == (0,) and step.rounds == gamma_policy.Call(1)
+    # a call ahead only when no running row can finish in the one in flight (2 rounds of up to 2 tokens)
+    assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 18 tokens left
+    scheduler.requests[2].left = 4
+    assert scheduler.plan(rounds_in_flight=1).rounds is None
+
+
+MESH_SCRIPT = """
+import threading
+import eagle3_jax
+from eagle3_jax.decoding.live import LivePool
+from eagle3_jax.parallel.mesh import tp_mesh
+import spec_worlds as worlds
+
+_, target = worlds.save_target("random", "{root}/target", layers=4)
+worlds.save_drafter("random", "{root}/drafter", target)
+mesh = tp_mesh(2)
+sharded = eagle3_jax.load_target("{root}/target", dtype="float32", mesh=mesh)
+drafter = eagle3_jax.load_drafter("{root}/drafter", sharded, dtype="float32")
+pool = LivePool(eagle3_jax.Engine(sharded, drafter, num_draft_tokens=2, max_len=64, max_batch=4, mesh=mesh))
+alone = eagle3_jax.Engine(target, max_len=64)
+prompts = [[3, 17, 5], [9, 30], [1, 2, 3, 4, 5, 6]]
+tokens, done = [[] for _ in prompts], [threading.Event() for _ in prompts]
+for i, p in enumerate(prompts):
+    def on_event(e, i=i):
+        tokens[i].extend(e.tokens)
+        e.finished and done[i].set()
+    pool.submit(pool.check(p, 20 + i), on_event)
+assert all(d.wait(300) for d in done)
+pool.close()
+assert tokens == [alone.generate([p], 20 + i)[0].token_ids for i, p in enumerate(prompts)], tokens
+print("mesh ok")
+"""
+
+
+def test_a_pool_on_a_two_device_mesh_gives_each_prompt_its_output_alone(tmp_path):
+    """Tensor parallel over 2 CPU devices (a child process: the device count is fixed at JAX's start)."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(MESH_SCRIPT.format(root=tmp_path))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "mesh ok" in done.stdout, done.stderr[-3000:]
