@@ -32,6 +32,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float3
 
 def unsupported(x, delta, weight) -> str | None:
     """Why this kernel cannot take these operands, or None when it can."""
+    if not hasattr(plgpu, "store"):  # jax 0.11 has no register-to-GMEM store in Mosaic GPU
+        return "needs jax 0.12's plgpu.store"
     D = x.shape[-1]
     if D % _LANES:
         return f"needs a hidden size that is a multiple of {_LANES}, got {D}"

@@ -83,14 +83,14 @@ def test_add_rms_norm_mgpu_vector_size():
 
 
 def test_norm_lowering():
-    """Hopper takes Mosaic GPU where the kernel takes the operands and XLA where not; other devices the
-    Triton kernel; kernels="xla" always XLA."""
+    """Hopper takes Mosaic GPU where the kernel takes the operands and Triton where not (as other devices do);
+    kernels="xla" always XLA."""
     x, w = jnp.zeros((1, 4096), jnp.bfloat16), jnp.zeros((4096,), jnp.bfloat16)
     small, small_w = jnp.zeros((1, 48), jnp.bfloat16), jnp.zeros((48,), jnp.bfloat16)
     for kernels in ("pallas", "exact"):
         assert norm_lowering(x, x, w, kernels, on_hopper=True) == "mosaic_gpu"
         assert norm_lowering(x, None, w, kernels, on_hopper=True) == "mosaic_gpu"
-        assert norm_lowering(small, small, small_w, kernels, on_hopper=True) == "xla"
+        assert norm_lowering(small, small, small_w, kernels, on_hopper=True) == "triton"
         assert norm_lowering(x, x, w, kernels, on_hopper=False) == "triton"
     for kernels in ("xla", "pallas_attention"):
         assert norm_lowering(x, x, w, kernels, on_hopper=True) == "xla"

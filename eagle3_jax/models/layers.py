@@ -37,13 +37,12 @@ def norm_lowering(x, delta, weight, kernels: str, *, on_hopper: bool) -> str:
     """Which kernel runs add_rms_norm: "xla", "mosaic_gpu" or "triton".
 
     With the fused Pallas kernels: on a Hopper GPU the Mosaic GPU kernel (pallas_kernels/add_rms_norm_mgpu.py)
-    where it takes the operands (every Qwen3 hidden size), XLA where it does not; elsewhere (other GPUs, and
-    the CPU tests in Pallas' interpreter) the Triton kernel (pallas_kernels/add_rms_norm.py), which Pallas
-    deprecates and so keeps off the Hopper path."""
+    where it takes the operands (every Qwen3 hidden size, under jax 0.12), else the Triton kernel
+    (pallas_kernels/add_rms_norm.py), as on other GPUs and in the CPU tests (Pallas' interpreter)."""
     if not kernels_lib.fused_in_pallas(kernels):
         return "xla"
-    if on_hopper:
-        return "mosaic_gpu" if pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, weight) is None else "xla"
+    if on_hopper and pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, weight) is None:
+        return "mosaic_gpu"
     return "triton"
 
 
