@@ -356,7 +356,7 @@ def test_no_step_moves_a_row_of_logits(tmp_path):
     folder = save_model(model, tmp_path, "gqa4_sharded")
     mesh = tp_mesh(4)
     target = eagle3_jax.load_target(folder, dtype="float32", progress=False, mesh=mesh)
-    spec = steps.local_spec(spec_round.StepSpec(target=target.config, drafter=None, gamma=0, max_len=MAX_LEN,
+    spec = steps.local_spec(spec_round.StepSpec(target=target.config, proposer=None, gamma=0, max_len=MAX_LEN,
                                                 kernels="xla", sampling=True), 4)
     request = steps.sharded_steps(mesh).put(eagle3_jax.Engine(target, max_len=MAX_LEN).request(PROMPTS, 5,
                                                                                               temperature=0.9))
