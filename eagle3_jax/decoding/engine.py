@@ -105,7 +105,9 @@ class Engine:
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None):
-        """num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
+        """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
+        in the row's own tokens, no weights), or None (spec off); anything else is refused.
+        num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
         0 .. max_draft_tokens (None: engine_args.DEFAULT_MAX_DRAFT_TOKENS) of the most expected tokens per second
         (gamma_policy.py), gamma 0 being a plain step; needs a drafter, and one device (refused with a mesh).
         round_costs: under "auto", `round_costs(batch, kv_length)` -> seconds of a call of each gamma 0 ..
@@ -119,7 +121,7 @@ class Engine:
         proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
         probability p(x)) or "sample" (x drawn from the drafter's filtered q, accepted with probability
         min(1, p(x) / q(x))). Both are lossless; which accepts more is the drafter's to show. Greedy rows
-        ignore it.
+        ignore it, and so does PromptLookup, whose proposals are tokens (q one-hot): "sample" runs as "argmax".
         exact: the target's decode and verify steps run kernels whose result for a token does not depend
         on how many tokens or rows share the step (eagle3_jax/models/kernels.py, EXACT), so greedy
         speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
