@@ -131,6 +131,17 @@ def test_greedy_output_is_spec_off_through_the_pool(permutation_target, spec_off
     assert max(accepts) == (3 if gamma == "auto" else gamma)  # the copied stretch is accepted whole
 
 
+def test_the_cache_edge(permutation_target):
+    """Rows copying their prompt run into max_len mid-proposal: the same tokens as spec off, up to the edge."""
+    prompts = [PROMPTS[0], cycle_stretch(3, 8) + cycle_stretch(3, 4)]
+    max_len = len(PROMPTS[0]) + 11
+    expected = eagle3_jax.Engine(permutation_target, max_len=max_len).generate(prompts, MAX_NEW)
+    got = eagle3_jax.Engine(permutation_target, eagle3_jax.PromptLookup(), num_draft_tokens=4,
+                            max_len=max_len).generate(prompts, MAX_NEW)
+    assert [(r.token_ids, r.finish_reason) for r in got] == [(r.token_ids, r.finish_reason) for r in expected]
+    assert len(got[0].token_ids) == max_len - len(PROMPTS[0]) and max(got[0].accept_lengths) == 4
+
+
 def test_auto_drops_to_plain_rounds_where_nothing_matches_and_back(permutation_target, spec_off):
     """Rounds of gamma 0 keep the history (the output stays spec-off's) and report whether the lookup's first
     draft would have matched, so "auto" can return to drafting."""
