@@ -150,7 +150,8 @@ def test_auto_drops_to_plain_rounds_where_nothing_matches_and_back(permutation_t
     (result,) = engine.generate([PROMPTS[1]], 40)
     expected = eagle3_jax.Engine(permutation_target, max_len=96).generate([PROMPTS[1]], 40)[0]
     assert result.token_ids == expected.token_ids
-    assert 0 in result.gammas and max(result.gammas) > 0
+    first_plain = result.gammas.index(0)  # the output leaves the prompt's stretch, then comes round the cycle to it
+    assert max(result.gammas[first_plain:]) > 0 and max(result.accept_lengths[first_plain:]) > 0
 
 
 def test_seeded_sampling_is_reproducible_and_proposal_sample_changes_nothing(permutation_target):
