@@ -12,8 +12,9 @@ and tokens/s through `Engine.generate` on a copy task, against spec off.
 * per batch, spec off and prompt lookup at --gamma (one Engine each, its pool the batch): an untimed generate of
   the same prompts (two tokens: it compiles the prefill and the call of rounds), then the timed generate:
   tokens/s, tau, and whether the tokens are the cycle's (the output is spec-off's). Then the round: the engine's
-  own call of rounds (the executable the generate ran) timed on a random running state at the run's mean KV
-  length (the history random tokens: the search's cost does not depend on what it finds), per round.
+  jitted call of rounds (engine.jit_rounds with the engine's StepSpec, as generate calls it) timed on a random
+  running state at the run's mean KV length (the history random tokens: the search's cost does not depend on
+  what it finds), per round.
 * per batch: round_vs_step, the lookup round's time over the spec-off step's (the issue's goal at gamma 3: at
   most 1.12), and speedup, the lookup's tokens/s over spec off's.
 The table is printed and the rows written as JSON to --out.
@@ -80,8 +81,8 @@ def copy_prompts(world: planted_world.World, batch: int, stretch: int) -> list[l
 
 
 def round_seconds(eng: eagle3_jax.Engine, plan: Plan, batch: int, dtype) -> float:
-    """Seconds per round of the engine's call of rounds (engine.jit_rounds, as generate calls it) from a random
-    running state at the run's mean KV length."""
+    """Seconds per round of the engine's call of rounds (engine.jit_rounds with its StepSpec, as generate calls it)
+    from a random running state at the run's mean KV length."""
     spec = eng.spec
     state = random_state((spec.target, None), batch, plan.prompt_len + plan.new_tokens // 2, plan.max_len, dtype,
                          with_drafter=False)
