@@ -89,9 +89,38 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def add_proposer_args(parser: argparse.ArgumentParser) -> None:
+    """What proposes a command's drafts: --drafter (an EAGLE-3 drafter folder) or --prompt-lookup, exclusive, and
+    prompt lookup's n-gram sizes. Any command that builds an Engine takes them (with `proposer_from_args`)."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--drafter", help="EAGLE-3 drafter folder")
+    which.add_argument("--prompt-lookup", action="store_true",
+                       help="draft by prompt lookup: the continuation of the latest earlier occurrence of the last "
+                            "n tokens, in the prompt and the output so far (no weights; eagle3_jax.PromptLookup)")
+    parser.add_argument("--prompt-lookup-max", type=int, metavar="N",
+                        help="with --prompt-lookup: the longest n-gram matched (default 4)")
+    parser.add_argument("--prompt-lookup-min", type=int, metavar="N",
+                        help="with --prompt-lookup: the shortest n-gram matched (default 1)")
+
+
+def proposer_from_args(args):
+    """The proposer `add_proposer_args`' flags choose, checked before any model loads: a PromptLookup, the
+    drafter folder (to load against the target), or None."""
+    sizes = {"max_ngram": args.prompt_lookup_max, "min_ngram": args.prompt_lookup_min}
+    if not args.prompt_lookup:
+        if any(v is not None for v in sizes.values()):
+            raise SystemExit("error: --prompt-lookup-max and --prompt-lookup-min are for --prompt-lookup")
+        return args.drafter
+    import eagle3_jax
+
+    return eagle3_jax.PromptLookup(**{k: v for k, v in sizes.items() if v is not None})
+
+
 def _generate(args) -> int:
-    if args.num_draft_tokens == "auto" and not args.drafter:
-        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
+    proposer = proposer_from_args(args)
+    if args.num_draft_tokens == "auto" and proposer is None:
+        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter "
+                         "or --prompt-lookup")
     if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
         raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
     if args.num_draft_tokens == "auto" and args.tp != 1:
@@ -112,7 +141,7 @@ def _generate(args) -> int:
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     mesh = None if args.tp == 1 else tp_mesh(args.tp)  # refused here when fewer devices are present
     target = eagle3_jax.load_target(args.target, dtype=dtype, mesh=mesh)
-    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=dtype) if args.drafter else None
+    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=dtype) if args.drafter else proposer
     tokenizer = load_tokenizer(args.target)
     prompt = _prompt_ids(args, tokenizer)
     sampling = _sampling(args)
@@ -227,9 +256,10 @@ def _regenerate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy or sampled generation, speculative with --drafter")
+    gen = sub.add_parser("generate", help="greedy or sampled generation, speculative with --drafter or "
+                                          "--prompt-lookup")
     gen.add_argument("--target", required=True, help="Qwen3 target folder (Hugging Face or converted)")
-    gen.add_argument("--drafter", help="EAGLE-3 drafter folder")
+    add_proposer_args(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the target folder's tokenizer)")
     source.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. '1,2,3'")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
@@ -107,7 +108,7 @@ def engine_call(s: Setup, batch: int, length: int, capacity: int, kernels: str, 
     """The engine's call of `rounds` rounds (spec-off when gamma is 0) from a random state at `length`. Built
     from its StepSpec directly: the ablation kernels (kernels_lib.ABLATION) are the model's to run, not
     Engine's to offer."""
-    spec = spec_round.StepSpec(target=s.plan.target, drafter=s.plan.drafter if gamma else None, gamma=gamma,
+    spec = spec_round.StepSpec(target=s.plan.target, proposer=Eagle3(s.plan.drafter) if gamma else None, gamma=gamma,
                                max_len=capacity, kernels=kernels)
     state = random_state((s.plan.target, s.plan.drafter), batch, length, capacity, s.dtype, with_drafter=gamma > 0)
     return steps.engine_rounds(spec, s.tparams, s.dparams if gamma else None, state, rounds, s.plan.reps,

@@ -37,6 +37,7 @@ import numpy as np
 import pallas_kernels
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import layers
@@ -122,7 +123,7 @@ def step_section(run: Run, s: Setup, tparams, batches: tuple[int, ...], verify_b
 def spec_off_step(s: Setup, tparams, batch: int, exact: bool) -> steps.EngineCall:
     """The engine's call of spec-off rounds, as dense.py times it."""
     plan = s.plan
-    spec = spec_round.StepSpec(target=plan.models.target, drafter=None, gamma=0, max_len=plan.capacity,
+    spec = spec_round.StepSpec(target=plan.models.target, proposer=None, gamma=0, max_len=plan.capacity,
                                kernels=s.kernels, exact=exact)
     state = random_state((plan.models.target, plan.models.drafter), batch, plan.kv_length, plan.capacity, s.dtype,
                          with_drafter=False)
@@ -143,7 +144,7 @@ def round_section(run: Run, s: Setup, tparams, batches: tuple[int, ...]) -> None
         for exact in (False, True):
             if not run.time_left(f"round b{batch} exact={exact}"):
                 continue
-            spec = spec_round.StepSpec(target=cfg, drafter=dcfg, gamma=plan.gamma, max_len=capacity,
+            spec = spec_round.StepSpec(target=cfg, proposer=Eagle3(dcfg), gamma=plan.gamma, max_len=capacity,
                                        kernels=s.kernels, exact=exact)
             state = random_state((cfg, dcfg), batch, plan.kv_length, capacity, s.dtype, with_drafter=True)
             timed = steps.engine_rounds(spec, tparams, dparams, state, engine_lib.ROUNDS_PER_CALL, plan.models.reps,

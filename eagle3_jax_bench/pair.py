@@ -1,12 +1,16 @@
 """The demo pair on the current device: end-to-end tokens/s of greedy decoding with speculation off and on,
 its tau, and what that tau would buy at Qwen3-8B shapes.
 
-    python -m eagle3_jax_bench.pair --out DIR [--pair eagle3_jax/demo/pair] [--tiny]
+    python -m eagle3_jax_bench.pair --out DIR [--pair eagle3_jax/demo/pair] [--tiny] [--lookup]
 
 * end to end: Engine.generate on the pair's held-out demo prompts, the first lines of library modules (batch 1:
   each prompt alone; batch 8: eight together), spec off and at each gamma, after a warm-up request of the
   same shapes; tokens/s and tau. --auto adds num_draft_tokens="auto" (max_draft_tokens: the largest gamma) against
   the best fixed gamma in hindsight, with the gammas its rounds ran.
+* proposers (--lookup): at batch 1 and gamma 3, prompt lookup (eagle3_jax.PromptLookup) against EAGLE-3 and spec
+  off, tokens/s and tau on two tasks: the held-out demo prompts (free continuation of code), and "rewrite": each
+  prompt holds the head of a held-out file (from this machine's standard library, else the demo prompt's text),
+  then its first line again, so the target's continuation retraces the file.
 * projection: at Qwen3-8B shapes (random bf16 weights, 1024 cached tokens, batch 1) the spec-off step and the
   gamma-3 round are timed as the engine runs them (eagle3_jax_bench/dense.py); the speedup this pair's tau would give
   there is tau x step / round. --tiny uses dense.py's tiny plan instead (a CPU dry run).
@@ -25,7 +29,7 @@ import numpy as np
 
 import eagle3_jax
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
-from eagle3_jax.demo import PAIR, timed_generate
+from eagle3_jax.demo import PAIR, corpus, timed_generate
 from eagle3_jax.models import kernels as kernels_lib
 
 from . import dense
@@ -63,6 +67,45 @@ def end_to_end(target, drafter, prompts, gammas, max_new, stops, batches=(1, 8),
     return rows
 
 
+REWRITE_CHARS = 700  # the head of a held-out file a rewrite prompt holds: a few hundred tokens, well inside max_len
+
+
+def rewrite_text(entry: dict) -> str:
+    """A "rewrite this file" prompt for a demo prompt's file: its head (whole lines, at most REWRITE_CHARS; the
+    demo prompt's own text when this machine's standard library lacks the file), a blank line, then its first
+    line again."""
+    path = corpus.stdlib_root() / entry["file"]
+    text = path.read_text(encoding="utf-8") if path.is_file() else entry["text"]
+    head = text[:REWRITE_CHARS]
+    head = head[: head.rfind("\n") + 1] or head
+    return head + "\n" + head.split("\n", 1)[0] + "\n"
+
+
+def proposers(target, drafter, tasks: dict, max_new: int, stops, gamma: int = 3, max_ngram: int = 4) -> list[dict]:
+    """Per task (name -> prompts, each run alone at batch 1) and proposer (spec off, EAGLE-3, prompt lookup):
+    tokens/s and tau at `gamma`, after a warm-up run of each prompt."""
+    rows = []
+    choices = {"off": None, "eagle3": drafter, "prompt_lookup": eagle3_jax.PromptLookup(max_ngram)}
+    for task, prompts in tasks.items():
+        max_len = max(len(p) for p in prompts) + max_new + gamma + 2
+        for name, proposer in choices.items():
+            engine = eagle3_jax.Engine(target, proposer, num_draft_tokens=gamma, max_len=max_len)
+            tokens, seconds, accepts = 0, 0.0, []
+            for prompt in prompts:
+                results, s = timed_generate(engine, [prompt], max_new, stops)
+                tokens += len(results[0].token_ids)
+                seconds += s
+                accepts += results[0].accept_lengths
+            rows.append({"task": task, "proposer": name, "gamma": gamma if proposer is not None else 0,
+                         "prompts": len(prompts), "tokens": tokens, "tokens_per_s": tokens / seconds,
+                         "tau": float(np.mean(accepts) + 1) if accepts else None})
+            print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        off = next(r for r in rows if r["task"] == row["task"] and r["proposer"] == "off")
+        row["speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
+    return rows
+
+
 def projection(tau: float, tiny: bool, gamma: int = 3) -> dict:
     """tau x (spec-off step) / (round at gamma), both timed in this process at Qwen3-8B shapes."""
     plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
@@ -87,18 +130,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", choices=(1, 8), default=[1, 8])
     parser.add_argument("--tiny", action="store_true", help="the projection at dense.py's tiny plan (CPU dry run)")
     parser.add_argument("--auto", action="store_true", help='also num_draft_tokens="auto" against the best fixed gamma')
+    parser.add_argument("--lookup", type=int, metavar="PROMPTS", default=0,
+                        help="also prompt lookup against EAGLE-3 and spec off at gamma 3, batch 1, on this many "
+                             "held-out prompts and as many rewrite prompts (0: not run)")
     args = parser.parse_args(argv)
     if 3 not in args.gammas:
         parser.error("--gammas must include 3: the projection is at gamma 3")
     target = eagle3_jax.load_target(args.pair / "target", dtype=args.dtype, progress=False)
     drafter = eagle3_jax.load_drafter(args.pair / "drafter", target, dtype=args.dtype)
     tokenizer = load_tokenizer(args.pair / "target")
-    texts = [p["text"].rstrip("\n") for p in json.loads((args.pair / "prompts.json").read_text()) if p["demo"]]
-    prompts = [tokenizer(t)["input_ids"] for t in texts[:8]]
+    demo = [p for p in json.loads((args.pair / "prompts.json").read_text()) if p["demo"]]
+    prompts = [tokenizer(p["text"].rstrip("\n"))["input_ids"] for p in demo[:8]]
     results = {"device": jax.devices()[0].device_kind, "versions": versions(), "dtype": args.dtype,
                "max_new_tokens": args.max_new_tokens}
     results["end_to_end"] = end_to_end(target, drafter, prompts, args.gammas, args.max_new_tokens,
                                        eos_stop_ids(tokenizer), tuple(args.batches), args.auto)
+    if args.lookup:
+        tasks = {"held-out code": prompts[: args.lookup],
+                 "rewrite": [tokenizer(rewrite_text(p))["input_ids"] for p in demo[: args.lookup]]}
+        results["proposers"] = proposers(target, drafter, tasks, args.max_new_tokens, eos_stop_ids(tokenizer))
     tau3 = next(r["tau"] for r in results["end_to_end"] if r["batch"] == args.batches[0] and r["gamma"] == 3)
     results["projection"] = projection(tau3, args.tiny)
     args.out.mkdir(parents=True, exist_ok=True)

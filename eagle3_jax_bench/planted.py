@@ -131,8 +131,8 @@ def round_seconds(eng: eagle3_jax.Engine, w: Worlds, plan: Plan, batch: int) -> 
     """(seconds per round, compilations) of the engine's call of rounds (engine.jit_rounds, as generate calls
     it) from a random state at the run's mean KV length."""
     spec = eng.spec
-    state = random_state((spec.target, spec.drafter), batch,
-                         plan.prompt_len + plan.new_tokens // 2, plan.max_len, w.dtype, spec.drafter is not None)
+    state = random_state((spec.target, eng.drafter.config if eng.drafter is not None else None), batch,
+                         plan.prompt_len + plan.new_tokens // 2, plan.max_len, w.dtype, spec.proposer is not None)
     dparams = eng.drafter.params if eng.drafter is not None else None
 
     def call(s):

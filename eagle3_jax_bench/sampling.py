@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding import candidate_filter, spec_round
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.models import eagle3 as drafter_lib
 
 from . import steps
@@ -46,7 +47,7 @@ def sampled_round(s: Setup, batch: int, gamma: int, kernels: str, proposal: str 
     greedy when proposal is None, else every row sampling with settings (temperature, top_k, top_p), in the
     build the engine picks for them."""
     capacity = min(s.plan.spec_kv_length + 512, s.plan.target.max_position_embeddings)
-    spec = spec_round.StepSpec(target=s.plan.target, drafter=s.plan.drafter if gamma else None, gamma=gamma,
+    spec = spec_round.StepSpec(target=s.plan.target, proposer=Eagle3(s.plan.drafter) if gamma else None, gamma=gamma,
                                max_len=capacity, kernels=kernels, sampling=proposal is not None,
                                proposal=proposal or "argmax")
     state = random_state((s.plan.target, s.plan.drafter), batch, s.plan.spec_kv_length, capacity, s.dtype,

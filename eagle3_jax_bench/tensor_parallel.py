@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import weights
 from eagle3_jax.parallel import layout
@@ -45,7 +46,7 @@ def on_mesh(tree, specs, mesh):
 def measure(run: Run, models, target, drafter, batch: int, gamma: int, args) -> None:
     mesh = tp_mesh(1)
     capacity = args.kv_len + 1024
-    spec = spec_round.StepSpec(target=models[0], drafter=models[1] if gamma else None, gamma=gamma,
+    spec = spec_round.StepSpec(target=models[0], proposer=Eagle3(models[1]) if gamma else None, gamma=gamma,
                                max_len=capacity, kernels=args.kernels)
     local = parallel_steps.local_spec(spec, 1)
     dparams = drafter.params if gamma else None

@@ -92,7 +92,7 @@ def measure(run, cfg, mesh, batch: int, args) -> None:
     tp = mesh.devices.size
     dtype = jnp.dtype(args.dtype)
     capacity = args.kv_len + 1024
-    spec = spec_round.StepSpec(target=cfg, drafter=None, gamma=0, max_len=capacity, kernels=args.kernels)
+    spec = spec_round.StepSpec(target=cfg, proposer=None, gamma=0, max_len=capacity, kernels=args.kernels)
     local = parallel_steps.local_spec(spec, tp)
     placements = layout.target_placements(cfg, tp)
     params = random_on_mesh(placements, mesh, dtype, seed=1)

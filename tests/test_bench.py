@@ -1,12 +1,13 @@
 """The benchmark at tiny shapes on the CPU: every section runs and the JSON has its fields (times are
 not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
 
+import dataclasses
 import json
 
 import pytest
 
 import pallas_kernels
-from eagle3_jax_bench import bench, checks, dense, moe, moe_layer, profile, sampling
+from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, sampling
 from eagle3_jax_bench.core import Run
 
 from cuda_lowering import lower_for_cuda
@@ -352,3 +353,17 @@ def test_auto_gamma_bench_and_calibration_dry_run(tmp_path, monkeypatch, capsys)
     called = []
     monkeypatch.setattr(auto_gamma, "calibrate_preset", called.append)
     assert bench.main(["--tiny", "--calibrate"]) == 0 and called == ["tiny"]
+
+
+def test_lookup_bench_dry_run(tmp_path, capsys):
+    """The prompt-lookup bench (eagle3_jax_bench/lookup.py) on the tiny preset: the copy task is copied whole
+    (tau gamma + 1), the output is the cycle's, and the table and JSON hold both proposers' rows."""
+    assert lookup.main(["--out", str(tmp_path / "lookup.json"), "--dry-run"]) == 0
+    out = json.loads((tmp_path / "lookup.json").read_text())
+    rows = {r["proposer"]: r for r in out["rows"]}
+    assert set(rows) == {"off", "prompt_lookup"} and all(r["tokens_follow_f"] for r in rows.values())
+    assert rows["prompt_lookup"]["tau"] == 4.0 and rows["off"]["tau"] == 1.0
+    assert rows["prompt_lookup"]["round_vs_step"] > 0 and rows["prompt_lookup"]["speedup"] > 0
+    assert "prompt_lookup" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--new-tokens at most"):
+        lookup.run(dataclasses.replace(lookup.dry_plan(), new_tokens=40))

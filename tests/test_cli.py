@@ -64,6 +64,29 @@ def test_generate_with_auto_gamma(folders, capsys, tmp_path, monkeypatch):
             main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", *flags])
 
 
+def test_generate_with_prompt_lookup(folders, capsys):
+    """--prompt-lookup on a prompt that holds a stretch of the target's cycle and then its start again: the output
+    retraces the stretch, so lookups are accepted (tau > 1), and it is spec-off's; its flags are checked."""
+    prompt = [int(t) for t in worlds.ORDER[:12]] + [int(t) for t in worlds.ORDER[:3]]
+    code = main(["generate", "--target", str(folders / "target"), "--prompt-lookup", "--prompt-lookup-max", "2",
+                 "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "8", "--num-draft-tokens", "3",
+                 "--dtype", "float32", "--max-len", "64"])
+    out = capsys.readouterr().out
+    target = eagle3_jax.load_target(folders / "target", dtype="float32")
+    (expected,) = eagle3_jax.Engine(target, max_len=64).generate([prompt], 8, stop_token_ids=[47])
+    assert code == 0 and out.splitlines()[0] == " ".join(f"w{t}" for t in expected.token_ids)
+    tau = float(out.split("tau (mean tokens per round) = ")[1].split()[0])
+    assert tau > 1
+    with pytest.raises(SystemExit):  # argparse: exclusive with --drafter
+        main(["generate", "--target", "t", "--prompt-ids", "1", "--prompt-lookup", "--drafter", "d"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="are for --prompt-lookup"):
+        main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", "--prompt-lookup-min", "2"])
+    code = main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", "--prompt-lookup",
+                 "--prompt-lookup-max", "0"])  # refused before the target (missing) would load
+    assert code == 2 and "max_ngram must be an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_generate_with_text_prompt(folders, capsys):
     assert main(["generate", "--target", str(folders / "target"), "--prompt", "w3 w17 w5",
                  "--max-new-tokens", "4", "--dtype", "float32", "--max-len", "64"]) == 0

@@ -130,13 +130,16 @@ def test_accept_lengths_count_the_drafts_a_cut_round_commits(pair, demo_prompts)
 
 def test_pair_bench_dry_run(tmp_path):
     assert pair_bench.main(["--out", str(tmp_path), "--tiny", "--dtype", "float32", "--gammas", "3",
-                            "--max-new-tokens", "6", "--batches", "8", "--auto"]) == 0
+                            "--max-new-tokens", "6", "--batches", "8", "--auto", "--lookup", "1"]) == 0
     results = json.loads((tmp_path / "pair_bench.json").read_text())
     assert {(r["batch"], r["gamma"]) for r in results["end_to_end"]} == {(8, 0), (8, 3), (8, "auto")}
     auto = next(r for r in results["end_to_end"] if r["gamma"] == "auto")
     assert auto["best_fixed_gamma"] in (0, 3) and auto["vs_best_fixed"] > 0
     assert sum(auto["rounds_by_gamma"].values()) > 0
     assert results["projection"]["projected_speedup"] > 0
+    rows = {(r["task"], r["proposer"]): r for r in results["proposers"]}
+    assert set(rows) == {(t, p) for t in ("held-out code", "rewrite") for p in ("off", "eagle3", "prompt_lookup")}
+    assert all(r["tokens_per_s"] > 0 and (r["tau"] is None) == (r["proposer"] == "off") for r in rows.values())
 
 
 def test_corpus_stages(tmp_path):

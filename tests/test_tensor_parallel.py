@@ -151,7 +151,7 @@ def test_four_virtual_devices(tmp_path):
                            "tests/tp_four_devices.py", "--basetemp", str(tmp_path)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-1].startswith("28 passed"), proc.stdout[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("29 passed"), proc.stdout[-2000:]
 
 
 def test_tp1_bench_dry_run(tmp_path):

@@ -228,6 +228,20 @@ def test_speculation_is_lossless_up_to_the_cache_edge(world, gamma):
         assert r.accept_lengths[:-1] == [1] * (len(r.accept_lengths) - 1) and r.accept_lengths[-1] <= 1
 
 
+def test_prompt_lookup_on_a_mesh_is_the_spec_off_output(world):
+    """PromptLookup at tp 4 (its history replicated, as the drafter would be): the permutation world's known
+    output, on prompts that hold the cycle's next tokens (lookups accepted) and prompts that do not."""
+    prompts = [[int(t) for t in worlds.ORDER[:12]] + [int(t) for t in worlds.ORDER[:3]], PROMPTS[0]]
+    expected = [[int(worlds.PI[p[-1]])] for p in prompts]
+    for out, prompt in zip(expected, prompts):
+        while len(out) < min(NEW, MAX_LEN - len(prompt)):
+            out.append(int(worlds.PI[out[-1]]))
+    target = sharded_target(world, "permutation", 4)
+    got = eagle3_jax.Engine(target, eagle3_jax.PromptLookup(), num_draft_tokens=3, max_len=MAX_LEN).generate(
+        prompts, NEW)
+    assert [r.token_ids for r in got] == expected and max(got[0].accept_lengths) == 3
+
+
 def test_moe_greedy_speculation_is_the_unsharded_greedy_output(world):
     """The MoE target with dense layers between (per-expert shards) at tp 4, speculating with a drafter whose
     own embedding is split over the vocabulary like the target's: the unsharded engine's spec-off greedy
@@ -356,7 +370,7 @@ def test_no_step_moves_a_row_of_logits(tmp_path):
     folder = save_model(model, tmp_path, "gqa4_sharded")
     mesh = tp_mesh(4)
     target = eagle3_jax.load_target(folder, dtype="float32", progress=False, mesh=mesh)
-    spec = steps.local_spec(spec_round.StepSpec(target=target.config, drafter=None, gamma=0, max_len=MAX_LEN,
+    spec = steps.local_spec(spec_round.StepSpec(target=target.config, proposer=None, gamma=0, max_len=MAX_LEN,
                                                 kernels="xla", sampling=True), 4)
     request = steps.sharded_steps(mesh).put(eagle3_jax.Engine(target, max_len=MAX_LEN).request(PROMPTS, 5,
                                                                                               temperature=0.9))

@@ -37,6 +37,7 @@ import numpy as np
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import engine_args, gamma_policy, round_costs, scheduler, slots, spec_round
 from eagle3_jax.decoding import progress as progress_lib
+from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
@@ -62,7 +63,7 @@ PREFILL_TOKENS = 8192
 class RoundTrace:
     """One speculative round of one sequence, for inspection (`generate(..., trace=True)`)."""
 
-    drafted: list[int]  # the drafter's gamma proposals, as target ids
+    drafted: list[int]  # the proposer's gamma proposals, as target ids (-1: a position prompt lookup left empty)
     # After each of [x_n, d_1 .. d_gamma]: a greedy row's argmax; a sampled row's accepted drafts, then the
     # token sampled after them, then the target's argmax.
     target: list[int]
@@ -94,16 +95,19 @@ ONE_DEVICE = parallel_steps.Steps(jit_empty, jit_prefill, jit_insert, jit_rounds
 
 
 class Engine:
-    """Decoding of a Qwen3 target, greedy or sampled per row, speculative when an EAGLE-3 drafter is given.
-    Lossless: a greedy row's output is token for token what plain greedy decoding of the target gives,
-    and a sampled row's output is distributed exactly as sampling the target alone."""
+    """Decoding of a Qwen3 target, greedy or sampled per row, speculative when a proposer is given (`drafter`: an
+    EAGLE-3 Drafter, or PromptLookup; decoding/proposer.py). Lossless: a greedy row's output is token for token
+    what plain greedy decoding of the target gives, and a sampled row's output is distributed exactly as sampling
+    the target alone."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None):
-        """num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
+        """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
+        in the row's own tokens, no weights), or None (spec off); anything else is refused.
+        num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
         0 .. max_draft_tokens (None: engine_args.DEFAULT_MAX_DRAFT_TOKENS) of the most expected tokens per second
         (gamma_policy.py), gamma 0 being a plain step; needs a drafter, and one device (refused with a mesh).
         round_costs: under "auto", `round_costs(batch, kv_length)` -> seconds of a call of each gamma 0 ..
@@ -117,7 +121,7 @@ class Engine:
         proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
         probability p(x)) or "sample" (x drawn from the drafter's filtered q, accepted with probability
         min(1, p(x) / q(x))). Both are lossless; which accepts more is the drafter's to show. Greedy rows
-        ignore it.
+        ignore it, and so does PromptLookup, whose proposals are tokens (q one-hot): "sample" runs as "argmax".
         exact: the target's decode and verify steps run kernels whose result for a token does not depend
         on how many tokens or rows share the step (eagle3_jax/models/kernels.py, EXACT), so greedy
         speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
@@ -132,9 +136,10 @@ class Engine:
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
         the sizes."""
         cfg = target.config
-        gamma, self.auto = engine_args.check_gamma(drafter is not None, num_draft_tokens, max_draft_tokens)
-        max_len = engine_args.check_sizes(cfg, drafter is not None, gamma, max_len, rounds_per_call)
-        head_dims = (cfg.head_dim,) + ((drafter.config.head_dim,) if drafter is not None else ())
+        proposer, dparams = proposer_lib.resolve(drafter)
+        gamma, self.auto = engine_args.check_gamma(proposer is not None, num_draft_tokens, max_draft_tokens)
+        max_len = engine_args.check_sizes(cfg, proposer is not None, gamma, max_len, rounds_per_call)
+        head_dims = (cfg.head_dim,) + (proposer.head_dims if proposer is not None else ())
         kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
@@ -145,8 +150,12 @@ class Engine:
             if self.auto:
                 raise ValueError("num_draft_tokens='auto' runs on one device (its round costs and held pairs are "
                                  "one device's): with a mesh, give num_draft_tokens an int")
-            target, drafter, self._steps = parallel_steps.on_mesh(target, drafter, mesh, exact)
+            weighted = drafter if dparams is not None else None  # a proposer with weights is placed on the mesh
+            target, weighted, self._steps = parallel_steps.on_mesh(target, weighted, mesh, exact)
+            if weighted is not None:
+                drafter, dparams = weighted, weighted.params
         self.target, self.drafter, self.max_len = target, drafter, max_len
+        self._proposer, self._dparams = proposer, dparams
         per_device = target if mesh is None else parallel_steps.per_device_target(target)
         self.max_batch = _check_pool(max_batch, pool_capacity(per_device, drafter, max_len),
                                      slot_bytes(per_device, drafter, max_len))
@@ -155,22 +164,24 @@ class Engine:
             raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
         self.prefill_tokens = int(prefill_tokens)
         # Under "auto", the largest gamma; prefill packs its output at this width.
-        self.num_draft_tokens = gamma if drafter is not None else 0
+        self.num_draft_tokens = gamma if proposer is not None else 0
         self._given_costs, self._costs = round_costs, {}
         self._spec = spec_round.StepSpec(
             target=cfg,
-            drafter=drafter.config if drafter is not None else None,
+            proposer=proposer,
             gamma=self.num_draft_tokens,
             max_len=self.max_len,
             kernels=kernels,
             exact=exact,
-            held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto else 0,
+            held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto and self._holds else 0,
         )
         if mesh is not None:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
-        # Without a drafter there is nothing to propose: one sampling build for either choice.
+        # Without a proposer that samples its drafts (none, or prompt lookup, whose drafts are tokens) "sample" is
+        # "argmax": one sampling build for either choice.
+        samples = proposer is not None and proposer.samples_drafts
         self._sampling_spec = dataclasses.replace(self._spec, sampling=True,
-                                                  proposal=proposal if drafter is not None else DEFAULT_PROPOSAL)
+                                                  proposal=proposal if samples else DEFAULT_PROPOSAL)
         # Prefill draws no drafts: one compilation of it serves both proposals.
         self._sampling_prefill_spec = dataclasses.replace(self._sampling_spec, proposal=PROPOSALS[0])
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
@@ -232,7 +243,13 @@ class Engine:
 
     @property
     def _draft_params(self):
-        return self.drafter.params if self.drafter is not None else None
+        """The proposer's weights (None: spec off, or a proposer without weights)."""
+        return self._dparams
+
+    @property
+    def _holds(self) -> bool:
+        """Whether "auto"'s plain rounds hold their pairs back for the proposer (it reads target features)."""
+        return proposer_lib.holds_pairs(self._proposer)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                  *, temperature=0.0, top_k=0, top_p=1.0, seed=None, trace: bool = False,
@@ -366,7 +383,8 @@ class Engine:
 
     def _calls(self) -> list[gamma_policy.Call]:
         """Every call of rounds this engine can run: each gamma, and under "auto" gamma 0 holding its pairs."""
-        return [gamma_policy.Call(g) for g in self.gammas] + ([gamma_policy.Call(0, False)] if self.auto else [])
+        holding = [gamma_policy.Call(0, False)] if self.auto and self._holds else []
+        return [gamma_policy.Call(g) for g in self.gammas] + holding
 
     def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None,
                   flush: bool | None = None) -> float:
@@ -375,7 +393,7 @@ class Engine:
         records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
         of which flushes."""
         template = template or self._greedy_template()
-        if flush is None and gamma == 0 and self.auto:
+        if flush is None and gamma == 0 and self.auto and self._holds:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
@@ -389,7 +407,8 @@ class Engine:
         if not self.auto:
             return gamma_policy.Fixed(self.num_draft_tokens)
         rows = self._pool_rows(request)
-        return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request))
+        return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request),
+                                 holds=self._holds)
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
@@ -408,18 +427,19 @@ class Engine:
         self.device_events = []
         return scheduler.run(self._ops(request), request, self._pool_rows(request), policy=self._policy(request),
                              prefill_gamma=self.num_draft_tokens, rounds_per_call=self.rounds_per_call,
-                             max_len=self.max_len, speculative=self.drafter is not None,
+                             max_len=self.max_len, speculative=self._proposer is not None,
                              prefill_tokens=self.prefill_tokens, trace=trace)
 
 
 def slot_bytes(target: Target, drafter, max_len: int) -> int:
-    """Device bytes one slot of a pool holds: its target and drafter KV caches at max_len, twice (an
-    admission prefills into fresh caches beside the pool's before writing them into their slots)."""
-    def kv(cfg, layers):
-        return 2 * layers * cfg.num_kv_heads * max_len * cfg.head_dim
-    dtype = target.params["embed"].dtype
-    per_row = kv(target.config, target.config.num_layers) + (kv(drafter.config, 1) if drafter is not None else 0)
-    return 2 * per_row * dtype.itemsize
+    """Device bytes one slot of a pool holds: its target's and its proposer's (`drafter`, as Engine takes it)
+    KV caches at max_len, twice (an admission prefills into fresh caches beside the pool's before writing them
+    into their slots)."""
+    cfg = target.config
+    proposer, _ = proposer_lib.resolve(drafter)
+    per_row = 2 * cfg.num_layers * cfg.num_kv_heads * max_len * cfg.head_dim
+    per_row += proposer.row_bytes(max_len) if proposer is not None else 0
+    return 2 * per_row * target.params["embed"].dtype.itemsize
 
 
 def free_device_bytes() -> int:

@@ -1,15 +1,21 @@
 """Prefill and the speculative round: pure functions over a `DecodeState`; the engine jits prefill and a
 scan of rounds.
 
+The round is the same for every proposer (decoding/proposer.py: EAGLE-3, eagle3_proposer.py; prompt lookup,
+prompt_lookup.py), which proposes its drafts and keeps its own fields of the state; the round verifies,
+accepts, commits and reports (docs/proposers.md).
+
 Invariants, per row b:
   * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
     is `last_token` and is not in any cache yet;
-  * the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
+  * with EAGLE-3, the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
     drafter's pre-norm output at position m - 1, from which d_1 comes. m = n, except after gamma-0 calls that
     held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that drafts starts at m = n;
+  * with prompt lookup, `history` holds x_0 .. x_n at positions 0 .. n;
   * a row that is done is frozen: nothing it owns changes any more, but for a flush's catch-up, which may
     bring the drafter cache of a row that finished while pairs were held up to date (it emits nothing).
-A round with gamma = 0 is a plain decoding step (with a drafter, `spec_rounds` keeps the drafter's pairs).
+A round with gamma = 0 is a plain decoding step (with a proposer that reads features, `spec_rounds` keeps
+its pairs; any other proposer is updated as in every round).
 
 Rows decode greedily unless the step is built for sampling (`StepSpec.sampling`): then each row's
 settings travel in `DecodeState.sampling`, rows with temperature 0 still take the argmax path (the same
@@ -28,14 +34,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding.eagle3_proposer import Eagle3
+from eagle3_jax.decoding.prompt_lookup import PromptLookup
 from eagle3_jax.decoding.request import Request
-from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.models.eagle3 import DrafterConfig
 from eagle3_jax.models.kv_cache import KVCache
 from eagle3_jax.parallel.collectives import Shards, Vocab
 
@@ -54,15 +61,16 @@ class HeldPairs:
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     target_cache: KVCache
-    draft_cache: KVCache | None
+    draft_cache: KVCache | None  # EAGLE-3's
     last_token: jax.Array  # [B] int32, x_n
-    draft_hidden: jax.Array | None  # [B, D] drafter output at position n - 1
+    draft_hidden: jax.Array | None  # [B, D] EAGLE-3's drafter output at position n - 1
     num_generated: jax.Array  # [B] int32, tokens emitted so far
     max_new: jax.Array  # [B] int32, the request's max_new_tokens
     stop_ids: jax.Array  # [B, P] int32 padded with -1
     done: jax.Array  # [B] bool
     sampling: sampling_lib.SamplingParams | None = None  # per-row settings; None in a greedy build
     held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
+    history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +78,7 @@ class StepSpec:
     """Everything static about the jitted steps (hashable, so it is a static argument)."""
 
     target: Qwen3Config
-    drafter: DrafterConfig | None
+    proposer: Eagle3 | PromptLookup | None  # decoding/proposer.py; None: spec off
     gamma: int
     max_len: int
     kernels: str  # see eagle3_jax/models/kernels.py
@@ -92,7 +100,7 @@ class StepSpec:
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
-        return self.drafter.capture_layers if self.drafter else ()
+        return self.proposer.capture_layers if self.proposer else ()
 
     @property
     def step_kernels(self) -> str:
@@ -127,7 +135,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
     """A request (its arrays on the device; `request.sampling` set when spec.sampling) -> (DecodeState, the
     first token packed as a round's output)."""
     tokens, prompt_lengths, sampling = request.tokens, request.lengths, request.sampling
-    B, Tp = tokens.shape
+    B = tokens.shape[0]
     dtype = tparams["embed"].dtype
     cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
     hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels,
@@ -141,27 +149,19 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
-    draft_cache = draft_hidden = None
-    if spec.drafter is not None:
-        # Pairs (g_t, x_{t+1}) for t < prompt length: the prompt shifted left, then the first token.
-        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
-        draft_cache = drafter_lib.new_cache(spec.drafter, B, spec.max_len, dtype)
-        embed = dparams.get("embed", tparams["embed"])
-        h = drafter_lib.project_features(dparams, spec.drafter, features)
-        out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, nxt, draft_cache, spec.kernels, spec.tp)
-        draft_hidden = out[rows, prompt_lengths - 1]
-        draft_cache = draft_cache.with_lengths(prompt_lengths)
+    own = {}
+    if spec.proposer is not None:
+        own = spec.proposer.prefill(dparams, tparams, spec, tokens, prompt_lengths, first, features)
     held = None
     if spec.held:
-        held = HeldPairs(jnp.zeros((B, spec.held, spec.drafter.feature_width), dtype),
+        held = HeldPairs(jnp.zeros((B, spec.held, spec.proposer.feature_width), dtype),
                          jnp.zeros((B, spec.held), jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = DecodeState(
         target_cache=cache.with_lengths(prompt_lengths),
-        draft_cache=draft_cache,
+        draft_cache=None,
         last_token=first,
-        draft_hidden=draft_hidden,
+        draft_hidden=None,
         num_generated=zeros,
         max_new=request.max_new,
         stop_ids=request.stop_ids,
@@ -169,6 +169,7 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         sampling=sampling,
         held=held,
     )
+    state = dataclasses.replace(state, **own)
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
     state = dataclasses.replace(state, num_generated=num_emit, done=done)
     unused = jnp.zeros((B, spec.gamma), jnp.int32)  # same width as a round's output: one unpacking
@@ -182,26 +183,7 @@ def _accept(drafts, choices, room):
     return jnp.clip(accepted, 0, jnp.maximum(room, 0))
 
 
-def _draft(tparams, dparams, state: DecodeState, keys, spec: StepSpec):
-    """The drafter's chain: (drafts [B, G] target ids, q [B, G, Vd] or None, the drafter cache). Greedy
-    unless the build samples with proposal "sample": then sampled rows draw each draft from the drafter's
-    filtered distribution q (the same filters as the target's), and greedy rows still take the argmax."""
-    embed = dparams.get("embed", tparams["embed"])
-    args = (dparams, spec.drafter, embed, state.draft_hidden, state.draft_cache, spec.gamma, spec.kernels)
-    if not (spec.sampling and spec.proposal == "sample"):
-        drafts, cache = drafter_lib.draft_chain(*args, tp=spec.tp)
-        return drafts, None, cache
-    s = state.sampling
-
-    def propose(logits, step):
-        q = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, filter=spec.filter)
-        drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
-        return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
-
-    return drafter_lib.draft_chain(*args, propose=propose, tp=spec.tp)
-
-
-def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, spec: StepSpec):
+def _verify(state: DecodeState, logits, drafts, draft_q, q_ids, keys, room, spec: StepSpec):
     """The target's side of a round: (choices [B, G + 1], accepted [B]). Greedy rows: choices are the
     argmax after each of [x_n, d_1 .. d_G] and the drafts are accepted while they match. Sampled rows
     (a sampling build): the accepted drafts, then the token sampled after them, then the argmax."""
@@ -215,19 +197,17 @@ def _verify(state: DecodeState, logits, drafts, draft_q, keys, room, dparams, sp
     p = sampling_lib.filter_rows(logits.reshape(B * rows, V),
                                  *(jnp.repeat(x, rows) for x in (s.temperature, s.top_k, s.top_p)), vocab,
                                  filter=spec.filter)
-    # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q lives on the draft vocabulary,
-    # 0 for every other target token.
-    draft_ids = (None if draft_q is None
-                 else drafter_lib.to_target_id(dparams, jnp.arange(spec.drafter.draft_vocab_size)))
-    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, draft_ids)
+    # Argmax drafts: q is one-hot at the draft (None). Sampled drafts: q over the ids q_ids (the proposer's).
+    drawn_accepted, drawn = sampling_lib.verify(keys, p, drafts, draft_q, room, q_ids)
     drawn = jnp.where(jnp.arange(spec.gamma + 1)[None, :] > drawn_accepted[:, None], choices, drawn)
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 
 
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
-    """Draft gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
-    for sampled rows), commit by index, rebuild. With gamma 0 and a drafter, the drafter is left as it was:
-    `spec_rounds` holds the round's pair for it and a flushing call brings it up to date."""
+    """Propose up to gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
+    for sampled rows), commit by index, tell the proposer. With gamma 0 and a proposer that reads features, the
+    proposer is left as it was: `spec_rounds` holds the round's pair for it and a flushing call brings it up to
+    date."""
     new_state, packed, _ = _round(tparams, dparams, state, spec)
     return new_state, packed
 
@@ -235,15 +215,20 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
 def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
     """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None)."""
     n = state.target_cache.lengths
-    B, G = n.shape[0], spec.gamma
-    embed = draft_q = None
+    B, G, proposer = n.shape[0], spec.gamma, spec.proposer
+    draft_q = q_ids = carry = None
+    # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
+    room = spec.max_len - n - 2
     # A sampled row's draws in this round come from its seed and the index of the first token it emits.
     keys = sampling_lib.row_keys(state.sampling.seed, n + 1) if spec.sampling else None
     if G > 0:
-        embed = dparams.get("embed", tparams["embed"])
         with jax.named_scope("draft"):
-            drafts, draft_q, draft_cache = _draft(tparams, dparams, state, keys, spec)
-        verify_tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+            drafts, draft_q, q_ids, carry = proposer.propose(dparams, tparams, state, keys, spec)
+        verified = drafts
+        if proposer.partial:  # drafts past a row's proposal are never judged, nor fed as tokens
+            room = jnp.minimum(room, jnp.sum(jnp.cumprod(drafts >= 0, axis=1), axis=1))
+            verified = jnp.maximum(drafts, 0)
+        verify_tokens = jnp.concatenate([state.last_token[:, None], verified], axis=1)
     else:
         drafts = jnp.zeros((B, 0), jnp.int32)
         verify_tokens = state.last_token[:, None]
@@ -251,10 +236,8 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
         hidden, tcache, features = target_lib.forward(
             tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.step_kernels, spec.tp
         )
-        # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
         logits = target_lib.logits(tparams, hidden, spec.step_kernels)
-        choices, accepted = _verify(state, logits, drafts, draft_q, keys,
-                                    spec.max_len - n - 2, dparams, spec)
+        choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
     num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
@@ -266,21 +249,16 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
         num_generated=state.num_generated + num_emit,
         done=done,
     )
-    if G > 0:
+    shadow = None
+    if proposer is not None and (G > 0 or not proposer_lib.holds_pairs(proposer)):
         with jax.named_scope("rebuild"):
-            # The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted
-            # are the newly committed pairs; the drafter's own speculative entries are overwritten.
-            h = drafter_lib.project_features(dparams, spec.drafter, features)
-            out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, choices, draft_cache, spec.kernels,
-                                                   spec.tp)
-        new_state = dataclasses.replace(
-            new_state,
-            draft_cache=draft_cache.with_lengths(new_length),
-            draft_hidden=jnp.where(live[:, None], out[rows, accepted], state.draft_hidden),
-        )
+            new_state = proposer.update(dparams, tparams, state, new_state, carry, choices, accepted, features, spec)
+        if G == 0:
+            shadow = proposer.shadow(state, choices, num_emit, spec)
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
-    return new_state, round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done), features
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow)
+    return new_state, packed, features
 
 
 def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
@@ -289,9 +267,10 @@ def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rou
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does.
-    With gamma 0 and a drafter the rounds are plain steps: their pairs join the held ones, and a flushing
-    call (`StepSpec.flush`) then brings the drafter up to date over all of them (`_catch_up`)."""
-    if spec.gamma > 0 or spec.drafter is None:
+    With gamma 0 and a proposer that reads features the rounds are plain steps: their pairs join the held
+    ones, and a flushing call (`StepSpec.flush`) then brings the proposer up to date over all of them
+    (`_catch_up`)."""
+    if spec.gamma > 0 or not proposer_lib.holds_pairs(spec.proposer):
         return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
     if spec.held < num_rounds:
         raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
@@ -312,25 +291,12 @@ def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rou
 
 
 def _catch_up(tparams, dparams, state: DecodeState, packed, spec: StepSpec):
-    """The drafter's rebuild over every held pair, in one pass: it reads its weights once per flush instead of
-    once per round. The same pass gives each held round's would-be first draft d_1 for the price of its
-    lm_head; the last round's shadow columns count, per row, the held pairs whose token equals it (a sampled
-    row's token equals an argmax draft d with probability p(d), the chance the round would have accepted it)
-    and the held pairs. Entries past a row's count are stale and ignored (`with_lengths`)."""
-    embed = dparams.get("embed", tparams["embed"])
-    start = state.draft_cache.lengths
-    count = state.target_cache.lengths - start  # [B] held pairs
-    h = drafter_lib.project_features(dparams, spec.drafter, state.held.features)
-    out, draft_cache = drafter_lib.forward(dparams, spec.drafter, embed, h, state.held.tokens, state.draft_cache,
-                                           spec.kernels)
-    rows = jnp.arange(count.shape[0])
-    before = jnp.concatenate([state.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each pair's d_1 is from
-    matched = drafter_lib.draft_token(dparams, spec.drafter, before) == state.held.tokens
+    """The proposer's rebuild over every held pair, in one pass (for EAGLE-3, its weights are read once per flush
+    instead of once per round). The same pass gives each held round's would-be first draft d_1; the last round's
+    shadow columns count, per row, the held pairs whose token equals it (a sampled row's token equals an argmax
+    draft d with probability p(d), the chance the round would have accepted it) and the held pairs."""
+    count = state.target_cache.lengths - state.draft_cache.lengths  # [B] held pairs
+    caught_up, matched = spec.proposer.catch_up(dparams, tparams, state, state.held, spec)
     valid = jnp.arange(spec.held)[None, :] < count[:, None]
-    caught_up = dataclasses.replace(
-        state,
-        draft_cache=draft_cache.with_lengths(state.target_cache.lengths),
-        draft_hidden=jnp.where((count > 0)[:, None], out[rows, jnp.maximum(count - 1, 0)], state.draft_hidden),
-    )
     shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)
     return caught_up, packed.at[-1, :, -2:].set(shadow)

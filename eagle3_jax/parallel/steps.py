@@ -52,17 +52,19 @@ def local_spec(spec: spec_round.StepSpec, tp: int) -> spec_round.StepSpec:
 def state_specs(spec: spec_round.StepSpec) -> spec_round.DecodeState:
     """Where a DecodeState's parts live: the target's KV caches split on the head axis, the rest replicated."""
     heads = tuple(P(None, TP_AXIS) for _ in range(spec.target.num_layers))
-    drafted = P() if spec.drafter is not None else None
+    drafted = P() if spec.proposer is not None and spec.proposer.capture_layers else None
+    looked_up = P() if spec.proposer is not None and not spec.proposer.capture_layers else None
     return spec_round.DecodeState(
         target_cache=KVCache(heads, heads, P()), draft_cache=drafted, last_token=P(), draft_hidden=drafted,
-        num_generated=P(), max_new=P(), stop_ids=P(), done=P(), sampling=P() if spec.sampling else None)
+        num_generated=P(), max_new=P(), stop_ids=P(), done=P(), sampling=P() if spec.sampling else None,
+        history=looked_up)
 
 
 def _param_specs(spec: spec_round.StepSpec, dparams) -> tuple:
     target = weights_lib.partition_specs(weights_lib.target_weights(spec.target), layout.TARGET_RULES)
     if dparams is None:
         return target, None
-    described = weights_lib.drafter_weights(spec.drafter, with_embed="embed" in dparams)
+    described = weights_lib.drafter_weights(spec.proposer.config, with_embed="embed" in dparams)
     return target, weights_lib.partition_specs(described, layout.DRAFTER_RULES)
 
 
