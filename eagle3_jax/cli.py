@@ -178,8 +178,10 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    if args.num_draft_tokens == "auto" and not args.drafter:
-        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter")
+    args.proposer = proposer_from_args(args)
+    if args.num_draft_tokens == "auto" and args.proposer is None:
+        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter "
+                         "or --prompt-lookup")
     if args.num_draft_tokens == "auto" and args.tp != 1:
         raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
     if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
@@ -301,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a live pool (docs/serving.md)")
     srv.add_argument("--target", required=True, help="Qwen3 target folder, with its tokenizer")
-    srv.add_argument("--drafter", help="EAGLE-3 drafter folder")
+    add_proposer_args(srv)
     srv.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     srv.add_argument("--max-draft-tokens", type=int, help="with --num-draft-tokens auto: the largest gamma (default 3)")

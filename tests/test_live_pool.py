@@ -77,6 +77,29 @@ def test_requests_submitted_while_it_runs_equal_their_outputs_alone(world):
         pool.close()
 
 
+def test_prompt_lookup_under_auto_gamma_through_the_live_pool(world):
+    """The second proposer through the live pool, under "auto" (no held pairs): each request's tokens are its
+    spec-off tokens alone, on prompts that repeat themselves (lookup proposes) and one that does not."""
+    target, _ = world
+    engine = eagle3_jax.Engine(target, eagle3_jax.PromptLookup(max_ngram=3), num_draft_tokens="auto",
+                               max_draft_tokens=3, max_len=MAX_LEN, max_batch=4,
+                               round_costs=lambda batch, length: [1.0, 1.1, 1.2, 1.3])
+    assert not engine.holds_pairs
+    alone = eagle3_jax.Engine(target, max_len=MAX_LEN)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 1, 9, 1, 9, 1, 9], PROMPTS[1]]
+    expected = [alone.generate([p], 16)[0].token_ids for p in prompts]
+    pool = LivePool(engine)
+    try:
+        collectors = [Collector() for _ in prompts]
+        for p, c in zip(prompts, collectors):
+            pool.submit(pool.check(p, 16), c)
+        for c, want in zip(collectors, expected):
+            assert c.wait() == "length" and c.tokens == want
+        assert pool.draft_tokens > 0
+    finally:
+        pool.close()
+
+
 def test_abort_frees_the_slot_at_once_and_settings_share_the_pool(world):
     target, drafter = world
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=1)

@@ -344,7 +344,8 @@ def test_serve_refuses_bad_arguments_before_loading(folders, capsys):
     assert main(["serve", "--target", str(folders / "drafter")]) == 2
     assert "has no tokenizer: the server needs one" in capsys.readouterr().err
     for flags, message in [(["--drain-s", "-1"], "--drain-s must be >= 0"),
-                           (["--num-draft-tokens", "auto"], "pass --drafter"),
+                           (["--num-draft-tokens", "auto"], "pass --drafter or --prompt-lookup"),
+                           (["--prompt-lookup-max", "2"], "are for --prompt-lookup"),
                            (["--max-draft-tokens", "2"], "--max-draft-tokens is for --num-draft-tokens auto")]:
         with pytest.raises(SystemExit, match=message):
             main(["serve", "--target", str(folders / "target"), *flags])

@@ -403,12 +403,18 @@ class Engine:
         return round_costs.time_calls(lambda s: jit_rounds(self.target.params, self._draft_params, s, spec=spec,
                                                            num_rounds=self.rounds_per_call), state)
 
+    @property
+    def holds_pairs(self) -> bool:
+        """Whether a gamma-0 call holds its committed pairs back from the proposer (EAGLE-3's drafter) until a
+        flushing call brings it up to date (gamma_policy.Auto's `holds`)."""
+        return self._holds
+
     def _policy(self, request: Request) -> scheduler.Policy:
         if not self.auto:
             return gamma_policy.Fixed(self.num_draft_tokens)
         rows = self._pool_rows(request)
         return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request),
-                                 holds=self._holds)
+                                 holds=self.holds_pairs)
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:

@@ -49,7 +49,7 @@ class LivePool:
         self._always_sampling = engine.spec.tp is not None
         if engine.auto:
             policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length: engine.round_costs(
-                self._scheduler.size, length, self._cost_template()))
+                self._scheduler.size, length, self._cost_template()), holds=engine.holds_pairs)
         else:
             policy = gamma_policy.Fixed(engine.num_draft_tokens)
         self._scheduler = LiveScheduler(engine.max_batch, engine.max_len, engine.prefill_tokens,

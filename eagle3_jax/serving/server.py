@@ -81,7 +81,8 @@ def serve(args) -> int:
         raise ValueError(f"{args.target} has no tokenizer: the server needs one for text and chat")
     dtype, mesh = args.dtype, args.mesh
     target = eagle3_jax.load_target(args.target, dtype=dtype, mesh=mesh)
-    drafter = eagle3_jax.load_drafter(args.drafter, target, dtype=dtype) if args.drafter else None
+    proposer = args.proposer  # cli.proposer_from_args: a PromptLookup, a drafter folder, or None
+    drafter = eagle3_jax.load_drafter(proposer, target, dtype=dtype) if isinstance(proposer, str) else proposer
     max_len = args.max_len or min(4096, target.config.max_position_embeddings)
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
                                max_batch=args.max_batch, max_draft_tokens=args.max_draft_tokens, mesh=mesh)
