@@ -47,10 +47,11 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
     decode/verify shapes of the benchmark.
   - A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: an
     earlier add_rms_norm in Mosaic GPU was slower (1.90 against 1.67 us of
-    kernel time; 0.655 against 0.502 ms for a jit of 72 calls). Hopper takes
-    add_rms_norm_mgpu all the same, since Pallas deprecates Triton;
-    eagle3_jax_bench/norm.py times it against the Triton kernel and XLA, one
-    call and a chain of 72 (eagle3_jax.models.layers.norm_lowering chooses).
+    kernel time; 0.655 against 0.502 ms for a jit of 72 calls). Its port,
+    add_rms_norm_mgpu, matches Triton's kernel time on the H200 but costs
+    3.50 against 2.46 us a call in a chain of 72 (eagle3_jax_bench/norm.py),
+    so Hopper keeps Triton by default (eagle3_jax.models.layers
+    MOSAIC_NORM_ON_HOPPER, norm_lowering).
   - Masked loads with a dynamic trip count (scf.for, software-pipelined by
     Triton's num_stages) give exactly "read keys < start + T, never garbage",
     where the TMA moves fixed boxes; and wgmma wants 64-row tiles where decode

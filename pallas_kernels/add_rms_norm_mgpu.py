@@ -11,8 +11,10 @@ is a few kilobytes and one load of it is all the kernel reads, so a barrier-trac
 latency and nothing else. Every row is computed by a CTA of its own, so a row's result does not depend on
 the number of rows (the exact decode needs this, eagle3_jax/models/kernels.py).
 
-What it takes (unsupported says why not): D a multiple of 128 (one warpgroup's lanes; every Qwen3 hidden
-size, 1024 to 5120), and bf16, f16 or f32. The model gives other shapes to XLA.
+What it takes (unsupported says why not): jax 0.12 (plgpu.store), D a multiple of 128 (one warpgroup's
+lanes; every Qwen3 hidden size, 1024 to 5120), and bf16, f16 or f32. The model takes it on Hopper only with
+eagle3_jax.models.layers.MOSAIC_NORM_ON_HOPPER (off: slower than Triton's in a step's chain of calls), else the
+Triton kernel.
 
 Testing: the kernel runs in jax 0.12's Mosaic GPU interpreter on the CPU (tests/test_fused_kernels.py),
 lowers for CUDA on a CPU host, and `pytest -m gpu` compares it with XLA on the H200.

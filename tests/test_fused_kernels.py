@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle3_jax.models import layers
 from eagle3_jax.models.attention import rotate_and_cache
 from eagle3_jax.models.layers import add_rms_norm, norm_lowering
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
@@ -82,11 +83,13 @@ def test_add_rms_norm_mgpu_vector_size():
     assert [vector_size(D, jnp.float32) for D in (4096, 5120, 384)] == [4, 4, 1]
 
 
-def test_norm_lowering():
-    """Hopper takes Mosaic GPU where the kernel takes the operands and Triton where not (as other devices do);
-    kernels="xla" always XLA."""
+def test_norm_lowering(monkeypatch):
+    """By default Hopper takes the Triton kernel, as other devices do; with MOSAIC_NORM_ON_HOPPER it takes Mosaic GPU
+    where the kernel takes the operands and Triton where not; kernels="xla" always XLA."""
     x, w = jnp.zeros((1, 4096), jnp.bfloat16), jnp.zeros((4096,), jnp.bfloat16)
     small, small_w = jnp.zeros((1, 48), jnp.bfloat16), jnp.zeros((48,), jnp.bfloat16)
+    assert norm_lowering(x, x, w, "pallas", on_hopper=True) == "triton"
+    monkeypatch.setattr(layers, "MOSAIC_NORM_ON_HOPPER", True)
     for kernels in ("pallas", "exact"):
         assert norm_lowering(x, x, w, kernels, on_hopper=True) == "mosaic_gpu"
         assert norm_lowering(x, None, w, kernels, on_hopper=True) == "mosaic_gpu"

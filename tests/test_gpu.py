@@ -18,6 +18,7 @@ import pytest
 
 import eagle3_jax
 import pallas_kernels
+from eagle3_jax.models import layers
 from eagle3_jax.models.attention import rotate_and_cache, uses_mosaic_prefill
 from eagle3_jax.models.config import RopeConfig
 from eagle3_jax.models.kernels import hopper
@@ -83,10 +84,11 @@ def test_fused_kernels(dtype):
     for got, want in zip(add_rms_norm(x, delta, w, 1e-6, "pallas"), add_rms_norm(x, delta, w, 1e-6, "xla")):
         assert _rel_err(got, want) < TOLERANCE[dtype]
     mosaic = hopper() and pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, w) is None  # Hopper, jax 0.12
-    assert norm_lowering(x, delta, w, "pallas", on_hopper=hopper()) == ("mosaic_gpu" if mosaic else "triton")
+    chosen = "mosaic_gpu" if mosaic and layers.MOSAIC_NORM_ON_HOPPER else "triton"
+    assert norm_lowering(x, delta, w, "pallas", on_hopper=hopper()) == chosen
     wide = [(jax.random.normal(k, (3, 5120), jnp.float32) + 1).astype(dtype) for k in keys[:3]]  # Qwen3-32B
     cases = ((x, delta, w), (x[:1, :3], None, w), (x[:3, :1], delta[:3, :1], w), (wide[0], wide[1], wide[2][0]))
-    # Hopper's kernel only there: the Triton one would raise under -W "error:The Pallas Triton backend is deprecated"
+    # The Mosaic GPU kernel where it runs (Hopper, jax 0.12), else the Triton one
     kernel = pallas_kernels.add_rms_norm_mgpu if mosaic else pallas_kernels.add_rms_norm
     for rows, d, weight in cases:
         for got, want in zip(kernel(rows, d, weight, eps=1e-6), add_rms_norm(rows, d, weight, 1e-6, "xla")):

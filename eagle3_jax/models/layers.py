@@ -12,6 +12,12 @@ import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import RopeConfig
 
+# Whether Hopper takes the Mosaic GPU add + RMSNorm (pallas_kernels/add_rms_norm_mgpu.py) over the Triton one. Off:
+# on the H200 (jax 0.12) both take 1.34 us of kernel time at one row, but in a chain of 72 calls, as a Qwen3-8B
+# step runs them, a Mosaic GPU call costs 3.50 us against Triton's 2.46 (its custom call's overhead), about 75 us
+# of a 4.2 ms step (BENCHMARKS.md). The Mosaic GPU kernel is the one that takes over when Pallas drops Triton.
+MOSAIC_NORM_ON_HOPPER = False
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
@@ -36,12 +42,13 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
 def norm_lowering(x, delta, weight, kernels: str, *, on_hopper: bool) -> str:
     """Which kernel runs add_rms_norm: "xla", "mosaic_gpu" or "triton".
 
-    With the fused Pallas kernels: on a Hopper GPU the Mosaic GPU kernel (pallas_kernels/add_rms_norm_mgpu.py)
-    where it takes the operands (every Qwen3 hidden size, under jax 0.12), else the Triton kernel
-    (pallas_kernels/add_rms_norm.py), as on other GPUs and in the CPU tests (Pallas' interpreter)."""
+    With the fused Pallas kernels: with MOSAIC_NORM_ON_HOPPER on a Hopper GPU the Mosaic GPU kernel
+    (pallas_kernels/add_rms_norm_mgpu.py) where it takes the operands (every Qwen3 hidden size, under jax 0.12),
+    else the Triton kernel (pallas_kernels/add_rms_norm.py), as on other GPUs and in the CPU tests (Pallas'
+    interpreter)."""
     if not kernels_lib.fused_in_pallas(kernels):
         return "xla"
-    if on_hopper and pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, weight) is None:
+    if on_hopper and MOSAIC_NORM_ON_HOPPER and pallas_kernels.add_rms_norm_mgpu_unsupported(x, delta, weight) is None:
         return "mosaic_gpu"
     return "triton"
 
