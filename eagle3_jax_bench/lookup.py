@@ -1,14 +1,14 @@
 """Prompt lookup (eagle3_jax.PromptLookup) at a preset's shapes: what its round costs against the spec-off step,
 and tokens/s through `Engine.generate` on a copy task, against spec off.
 
-    python -m eagle3_jax_bench.lookup --out results.json [--model qwen3-8b] [--batches 1 8 32] [--gamma 3]
+    python -m eagle3_jax_bench.lookup --out results.json [--batches 1 8 32] [--gamma 3]     (Qwen3-8B shapes)
     python -m eagle3_jax_bench.lookup --out results.json --dry-run   (the tiny preset, on the CPU)
 
 * the world: planted_world.py's target (random weights at the preset's shapes, bf16, whose greedy next token
   walks a cycle f through a universe of tokens); no drafter. The copy task: each row's prompt holds a stretch of
-  --stretch tokens of the cycle, then the stretch's first COPY_CUE tokens again, so the target's continuation
-  retraces the stretch and the lookup's proposals are right until the output runs past it (--new-tokens is at
-  most --stretch - COPY_CUE: never). Rows start at different places on the cycle.
+  Plan.stretch tokens of the cycle (1,024), then the stretch's first COPY_CUE tokens again, so the target's
+  continuation retraces the stretch and the lookup's proposals are right until the output runs past it
+  (Plan.new_tokens, 256, is at most stretch - COPY_CUE: never). Rows start at different places on the cycle.
 * per batch, spec off and prompt lookup at --gamma (one Engine each, its pool the batch): an untimed generate of
   the same prompts (two tokens: it compiles the prefill and the call of rounds), then the timed generate:
   tokens/s, tau, and whether the tokens are the cycle's (the output is spec-off's). Then the round: the engine's
@@ -122,8 +122,8 @@ def run(plan: Plan) -> dict:
     cfg, dcfg = presets.pair(plan.model)
     world = planted_world.make_world(cfg, dcfg)
     if plan.stretch + COPY_CUE > world.size or plan.new_tokens > plan.stretch - COPY_CUE:
-        raise ValueError(f"--stretch must be at most {world.size - COPY_CUE} (the cycle) and --new-tokens at most "
-                         f"--stretch - {COPY_CUE}, got {plan.stretch} and {plan.new_tokens}")
+        raise ValueError(f"the plan's stretch must be at most {world.size - COPY_CUE} (the cycle) and its new_tokens "
+                         f"at most stretch - {COPY_CUE}, got {plan.stretch} and {plan.new_tokens}")
     start = time.perf_counter()
     target = planted_world.planted_target(cfg, world, dtype)
     jax.block_until_ready(target.params)

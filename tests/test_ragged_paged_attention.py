@@ -128,7 +128,8 @@ def test_kernel_default_splits_for_a_batch_of_one_decode():
 
 def test_token_positions_and_write_pages_match_the_contiguous_cache():
     """New K/V written into shuffled pages equal kv_cache.write into a contiguous cache, read back
-    through the page table; tokens of no sequence and positions past the table write nothing."""
+    through the page table; tokens of no sequence, positions past the table and page ids outside the pool write
+    nothing."""
     K, H, page_size = 2, 16, 8
     q_lens, kv_lens = [3, 1, 0], [10, 17, 4]
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
@@ -149,6 +150,9 @@ def test_token_positions_and_write_pages_match_the_contiguous_cache():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     past = write_pages(pages, pages, table, jnp.array([0]), jnp.array([3 * page_size]), new_k[:1], new_v[:1])
     np.testing.assert_array_equal(np.asarray(past[0]), np.asarray(pages))
+    unallocated = table.at[0, 0].set(-1)  # a page id outside the pool: nothing written, not the pool's last page
+    none = write_pages(pages, pages, unallocated, jnp.array([0]), jnp.array([2]), new_k[:1], new_v[:1])
+    np.testing.assert_array_equal(np.asarray(none[0]), np.asarray(pages))
 
 
 def test_rotate_and_write_pages_matches_the_contiguous_path():

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,15 +57,16 @@ class Server:
             self.port = s.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "EAGLE3_JAX_COMPILE_CACHE": "", "JAX_PLATFORMS": "cpu"}
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe could fill and stall it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", str(folders / "target"), "--drafter",
              str(folders / "drafter"), "--num-draft-tokens", str(GAMMA), "--max-len", str(MAX_LEN), "--port",
-             str(self.port), "--served-model-name", "tiny", *flags], env=env, stdout=subprocess.PIPE,
+             str(self.port), "--served-model-name", "tiny", *flags], env=env, stdout=self.log,
             stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -72,6 +74,10 @@ class Server:
                 pass
             time.sleep(0.5)
         raise AssertionError("the server did not become healthy")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def client(self, key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)

@@ -8,10 +8,11 @@ Columns of a row, in order (gamma: the drafts per round):
   emitted   1          how many of the choices the row emitted (cut by a stop token, max_new_tokens, max_len)
   accepted  1          how many drafts the row committed: the drafts among its emitted tokens
   done      1          whether the row has finished
-  shadow    2          the last round of a gamma-0 call that brought the drafter up to date (spec_round._catch_up):
-                       of the pairs it caught up on, how many had a token equal to the drafter's would-be first
-                       draft, and how many there were; 0, 0 in every other round. It lets the gamma policy
-                       (gamma_policy.py) see the drafter improve while it is not used.
+  shadow    2          gamma-0 rounds' evidence for the gamma policy (gamma_policy.py), so it sees a proposer
+                       improve while it is not used: how many committed tokens equalled the proposer's would-be
+                       first draft, and over how many. EAGLE-3 gives it in the last round of a call that brought
+                       the drafter up to date (spec_round._catch_up, over the pairs it caught up on), prompt
+                       lookup in every gamma-0 round; 0, 0 otherwise.
 """
 
 from __future__ import annotations

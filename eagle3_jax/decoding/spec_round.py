@@ -225,7 +225,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
         with jax.named_scope("draft"):
             drafts, draft_q, q_ids, carry = proposer.propose(dparams, tparams, state, keys, spec)
         verified = drafts
-        if proposer.partial:  # drafts past a row's proposal are never judged, nor fed as tokens
+        # Drafts past a row's proposal are never judged; they go through verify as token 0 (static shapes), and
+        # their entries lie past the committed length, stale.
+        if proposer.partial:
             room = jnp.minimum(room, jnp.sum(jnp.cumprod(drafts >= 0, axis=1), axis=1))
             verified = jnp.maximum(drafts, 0)
         verify_tokens = jnp.concatenate([state.last_token[:, None], verified], axis=1)

@@ -39,8 +39,9 @@ def write_pages(k_pages, v_pages, page_table, seq, positions, k, v):
     """Writes new k, v [T, K, H] into the pages [K, P, page_size, H] at each token's (seq [T],
     position [T]): page page_table[seq, position // page_size], slot position % page_size.
 
-    A token with no sequence (seq out of range), a negative position, or a position past the page
-    table's width writes nothing (never clamped: a clamped write would overwrite committed keys).
+    A token with no sequence (seq out of range), a negative position, a position past the page table's
+    width, or a page id outside the pool (such as -1) writes nothing (never clamped: a clamped write would
+    overwrite committed keys).
     Returns (k_pages, v_pages); updated in place when the caller donates them.
     """
     S, pages_per_seq = page_table.shape
@@ -48,6 +49,9 @@ def write_pages(k_pages, v_pages, page_table, seq, positions, k, v):
     slot_in_table = positions // page_size
     keep = (seq >= 0) & (seq < S) & (positions >= 0) & (slot_in_table < pages_per_seq)
     page = page_table[jnp.clip(seq, 0, S - 1), jnp.clip(slot_in_table, 0, pages_per_seq - 1)]
+    # A page id outside the pool (-1: unallocated) writes nothing either: a negative scatter index would count from
+    # the end of the pool, into another sequence's page.
+    keep = keep & (page >= 0) & (page < k_pages.shape[1])
     page = jnp.where(keep, page, k_pages.shape[1])  # out of range: dropped
     slot = positions % page_size
     heads = jnp.arange(k_pages.shape[0])[None, :]

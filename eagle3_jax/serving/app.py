@@ -194,7 +194,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def gate(request: Request, call_next):
         """The API key (every path but /health), and no new requests while draining."""
         if request.url.path != "/health":
-            if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            given = request.headers.get("authorization") or ""
+            if state.api_key is not None and not secrets.compare_digest(given, f"Bearer {state.api_key}"):
                 return JSONResponse(error_body("a missing or wrong API key", "authentication_error", 401),
                                     status_code=401)
             if state.draining and request.url.path.startswith("/v1/"):
@@ -259,7 +260,13 @@ async def _respond(state: ServerState, body, http: Request, run: Generation, pre
     A streamed request is aborted as soon as its client disconnects (`_watch`), not at the next chunk's send."""
     head = {"id": f"{prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.served_name}
     if not body.stream:
-        text = "".join([delta async for delta in run.deltas()])
+        watcher = asyncio.create_task(_watch(http, run))  # a client gone before the answer: the request is aborted
+        try:
+            text = "".join([delta async for delta in run.deltas()])
+        finally:
+            watcher.cancel()
+        if run.finish_reason == "error":
+            raise ApiError(500, f"the pool failed: {state.pool.error!r}", "server_error")
         return {**head, "object": kind, "choices": [choice(text)], "usage": run.usage.body()}
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -50,7 +50,10 @@ class DrainingServer(uvicorn.Server):
             return
         self.state.draining = True
         wait = self.drain_s if sig == signal.SIGTERM else 0.0
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(wait)))
+        self._loop.call_soon_threadsafe(self._start_drain, wait)
+
+    def _start_drain(self, wait: float) -> None:
+        self._drain_task = self._loop.create_task(self._drain(wait))  # held: the loop keeps only a weak reference
 
     async def _drain(self, wait: float) -> None:
         deadline = time.monotonic() + wait
