@@ -83,8 +83,9 @@ class Serving:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        # log_config None: uvicorn's dictConfig would shut down the process's logging handlers (serving/server.py)
         self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="off"))
+                                                    log_level="warning", log_config=None, lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

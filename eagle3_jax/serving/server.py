@@ -95,8 +95,10 @@ def serve(args) -> int:
         name = args.served_model_name or Path(args.target).resolve().name
         state = ServerState(pool, tokenizer, name, request_defaults(args.target), eos_stop_ids(tokenizer),
                             api_key=args.api_key)
+        # log_config None: uvicorn's own dictConfig would shut down every logging handler in the process (absl's
+        # closes its stream then); its loggers still take log_level.
         config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
-                                lifespan="off")
+                                log_config=None, lifespan="off")
         print(f"serving {name} on http://{args.host}:{args.port} (max_len {max_len}, {engine.max_batch} slots)",
               file=sys.stderr, flush=True)
         DrainingServer(config, state, args.drain_s).run()
