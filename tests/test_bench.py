@@ -365,5 +365,5 @@ def test_lookup_bench_dry_run(tmp_path, capsys):
     assert rows["prompt_lookup"]["tau"] == 4.0 and rows["off"]["tau"] == 1.0
     assert rows["prompt_lookup"]["round_vs_step"] > 0 and rows["prompt_lookup"]["speedup"] > 0
     assert "prompt_lookup" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="--new-tokens at most"):
+    with pytest.raises(ValueError, match="its new_tokens at most stretch - 8"):
         lookup.run(dataclasses.replace(lookup.dry_plan(), new_tokens=40))
