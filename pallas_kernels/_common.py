@@ -122,3 +122,20 @@ def check_shapes(q, k_cache, v_cache, start):
         raise ValueError(f"{start.shape=} must be ({B},)")
     if not is_power_of_2(H) or H < 16:
         raise ValueError(f"{H=} must be a power of 2 >= 16 (Triton block shapes)")
+
+
+def check_norm_operands(x, delta, weight) -> None:
+    """The shapes both add + RMSNorm kernels take: delta as x (or None), weight [D]."""
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"delta {delta.shape} does not fit x {x.shape}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"norm weight {weight.shape} does not fit x {x.shape}")
+
+
+def norm_over_rows(kernel, x, delta, weight):
+    """Runs kernel(x [M, D], delta [M, D] or None, weight) on x's rows flattened and returns its outputs in x's
+    shape, as (sum, normed); delta None: (x, normed)."""
+    D = x.shape[-1]
+    outs = kernel(x.reshape(-1, D), None if delta is None else delta.reshape(-1, D), weight)
+    outs = [o.reshape(x.shape) for o in outs]
+    return (outs[0], outs[1]) if delta is not None else (x, outs[0])

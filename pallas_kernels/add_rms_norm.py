@@ -73,14 +73,7 @@ def add_rms_norm(x, delta, weight, *, eps: float, interpret: bool = False):
 
     delta None: (x, rms_norm(x) * weight), the sum skipped.
     """
-    if delta is not None and delta.shape != x.shape:
-        raise ValueError(f"delta {delta.shape} does not fit x {x.shape}")
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"norm weight {weight.shape} does not fit x {x.shape}")
-    D = x.shape[-1]
-    flat = x.reshape(-1, D)
-    outs = _add_rms_norm(
-        flat, None if delta is None else delta.reshape(-1, D), weight, eps=float(eps), interpret=interpret
-    )
-    outs = [o.reshape(x.shape) for o in outs]
-    return (outs[0], outs[1]) if delta is not None else (x, outs[0])
+    _common.check_norm_operands(x, delta, weight)
+    kernel = functools.partial(_add_rms_norm, eps=float(eps), interpret=interpret)
+    return _common.norm_over_rows(kernel, x, delta, weight)
+

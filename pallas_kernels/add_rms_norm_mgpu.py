@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _common
+
 _LANES = 128  # threads of the one warpgroup
 _VECTOR_BYTES = 16  # the widest load a thread issues
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -101,16 +103,8 @@ def add_rms_norm_mgpu(x, delta, weight, *, eps: float, interpret: bool = False):
     delta None: (x, rms_norm(x) * weight), the sum skipped. interpret: jax's Mosaic GPU interpreter
     (the CPU tests). Operands that unsupported refuses raise ValueError.
     """
-    if delta is not None and delta.shape != x.shape:
-        raise ValueError(f"delta {delta.shape} does not fit x {x.shape}")
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"norm weight {weight.shape} does not fit x {x.shape}")
+    _common.check_norm_operands(x, delta, weight)
     if reason := unsupported(x, delta, weight):
         raise ValueError(f"Mosaic GPU add_rms_norm {reason}")
-    D = x.shape[-1]
-    flat = x.reshape(-1, D)
-    outs = _add_rms_norm(
-        flat, None if delta is None else delta.reshape(-1, D), weight, eps=float(eps), interpret=interpret
-    )
-    outs = [o.reshape(x.shape) for o in outs]
-    return (outs[0], outs[1]) if delta is not None else (x, outs[0])
+    kernel = functools.partial(_add_rms_norm, eps=float(eps), interpret=interpret)
+    return _common.norm_over_rows(kernel, x, delta, weight)
