@@ -16,7 +16,10 @@ and tokens/s through `Engine.generate` on a copy task, against spec off.
   running state at the run's mean KV length (the history random tokens: the search's cost does not depend on
   what it finds), per round.
 * per batch: round_vs_step, the lookup round's time over the spec-off step's (the issue's goal at gamma 3: at
-  most 1.12), and speedup, the lookup's tokens/s over spec off's.
+  most 1.12), and speedup, the lookup's tokens/s over spec off's. Beside them the same round with the search
+  taken out (`NoSearch`: it proposes gamma tokens read straight from the history), timed the same way: the
+  verify of gamma + 1 tokens, the acceptance and the history's update, so that search_ms, the lookup round less
+  it, is what the search costs and verify_vs_step what the round costs without it.
 The table is printed and the rows written as JSON to --out.
 """
 
@@ -68,6 +71,15 @@ def h200_plan(batches=(1, 8, 32), gamma: int = 3) -> Plan:
 
 def dry_plan() -> Plan:
     return Plan("tiny", (2,), 3, stretch=32, new_tokens=16, reps=1, inner=1, dtype="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSearch(eagle3_jax.PromptLookup):
+    """Prompt lookup with its search taken out, for timing what the rest of its round costs: it proposes the
+    history's tokens at positions 1 .. gamma (no match to find), and updates the history as PromptLookup does."""
+
+    def propose(self, dparams, tparams, state, keys, spec):
+        return state.history[:, 1:spec.gamma + 1], None, None, None
 
 
 def copy_prompts(world: planted_world.World, batch: int, stretch: int) -> list[list[int]]:
@@ -132,19 +144,24 @@ def run(plan: Plan) -> dict:
     for batch in plan.batches:
         off = measure(target, world, plan, batch, None, dtype)
         lookup = measure(target, world, plan, batch, eagle3_jax.PromptLookup(), dtype)
+        no_search = eagle3_jax.Engine(target, NoSearch(), num_draft_tokens=plan.gamma, max_len=plan.max_len,
+                                      max_batch=batch)
+        verify_ms = round_seconds(no_search, plan, batch, dtype) * 1e3
         lookup.update(round_vs_step=lookup["round_ms"] / off["round_ms"],
-                      speedup=lookup["tokens_per_s"] / off["tokens_per_s"])
+                      speedup=lookup["tokens_per_s"] / off["tokens_per_s"], verify_ms=verify_ms,
+                      verify_vs_step=verify_ms / off["round_ms"], search_ms=lookup["round_ms"] - verify_ms)
         out["rows"] += [off, lookup]
     return out
 
 
 def table(out: dict) -> str:
     lines = [f"{'batch':>5} {'proposer':>13} {'gamma':>5} {'round ms':>9} {'vs step':>8} {'tau':>6} "
-             f"{'tokens/s':>10} {'speedup':>8} {'follows f':>9}"]
+             f"{'tokens/s':>10} {'speedup':>8} {'follows f':>9} {'no-search ms':>12} {'search ms':>9}"]
     for r in out["rows"]:
         lines.append(f"{r['batch']:>5} {r['proposer']:>13} {r['gamma']:>5} {r['round_ms']:>9.3f} "
                      f"{r.get('round_vs_step', 1.0):>8.3f} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} "
-                     f"{r.get('speedup', 1.0):>8.3f} {str(r['tokens_follow_f']):>9}")
+                     f"{r.get('speedup', 1.0):>8.3f} {str(r['tokens_follow_f']):>9} {r.get('verify_ms', 0.0):>12.3f} "
+                     f"{r.get('search_ms', 0.0):>9.3f}")
     return "\n".join(lines)
 
 

@@ -3,11 +3,12 @@ not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 import pallas_kernels
-from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, sampling
+from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, round_ab, sampling
 from eagle3_jax_bench.core import Run
 
 from cuda_lowering import lower_for_cuda
@@ -364,6 +365,21 @@ def test_lookup_bench_dry_run(tmp_path, capsys):
     assert set(rows) == {"off", "prompt_lookup"} and all(r["tokens_follow_f"] for r in rows.values())
     assert rows["prompt_lookup"]["tau"] == 4.0 and rows["off"]["tau"] == 1.0
     assert rows["prompt_lookup"]["round_vs_step"] > 0 and rows["prompt_lookup"]["speedup"] > 0
+    no_search = rows["prompt_lookup"]
+    assert no_search["verify_ms"] > 0 and no_search["search_ms"] == no_search["round_ms"] - no_search["verify_ms"]
     assert "prompt_lookup" in capsys.readouterr().out
     with pytest.raises(ValueError, match="its new_tokens at most stretch - 8"):
         lookup.run(dataclasses.replace(lookup.dry_plan(), new_tokens=40))
+
+
+def test_round_ab_dry_run(tmp_path, capsys):
+    """The A/B of two checkouts' rounds (eagle3_jax_bench/round_ab.py) on the tiny preset, with this checkout as the
+    one tree: its child process times both engines at both batches; without trees it refuses."""
+    root = Path(__file__).resolve().parents[1]
+    assert round_ab.main(["--trees", str(root), "--out", str(tmp_path / "ab.json"), "--dry-run"]) == 0
+    out = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["batch"], r["gamma"]) for r in out["rows"]] == [(1, 3), (1, 0), (2, 3), (2, 0)]
+    assert all(len(r["ms"]) == 1 and r["ms"][0] > 0 and r["last_over_first"] == 1.0 for r in out["rows"])
+    assert "last / first" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        round_ab.main(["--out", str(tmp_path / "ab.json")])
