@@ -1,5 +1,7 @@
 """Spec-off greedy decoding against transformers' generate(do_sample=False), token for token."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import eagle3_jax
 from eagle3_jax_bench.profile import count_compilations
 
 from hf_models import build_model, save_model
+from transfer_guard import no_implicit_transfers
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
@@ -96,13 +99,32 @@ def test_bad_requests_raise_before_device_work(model_and_target, prompts, kwargs
     assert engine.device_events == [] and compiles.count == 0
 
 
+def test_the_transfer_guard_reaches_other_threads():
+    """no_implicit_transfers guards every thread, as the engine's pool runs on its own; jax.transfer_guard's
+    context manager guards only the thread that entered it."""
+    x, failed = jax.numpy.ones(3), []
+
+    def add_a_host_array():
+        try:
+            (x + np.ones(3)).block_until_ready()  # the numpy operand is an implicit transfer
+        except Exception as e:  # noqa: BLE001 - jax raises its runtime error type
+            failed.append("disallowed" in str(e).lower())
+
+    for guard in (no_implicit_transfers(), jax.transfer_guard("disallow")):
+        with guard:
+            thread = threading.Thread(target=add_a_host_array)
+            thread.start()
+            thread.join()
+    assert failed == [True]
+
+
 def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_target):
     _, tgt = model_and_target
     # max_len 112: a configuration no other test builds, so the first request must compile.
     with count_compilations() as first_compiles:
         first = eagle3_jax.Engine(tgt, max_len=112).generate(PROMPTS, max_new_tokens=12)
     assert first_compiles.count >= 2  # prefill and the call of rounds
-    with jax.transfer_guard("disallow"), count_compilations() as compiles:  # any implicit transfer raises
+    with no_implicit_transfers(), count_compilations() as compiles:  # any implicit transfer raises
         engine = eagle3_jax.Engine(tgt, max_len=112)  # a second Engine of the same configuration
         again = engine.generate(PROMPTS, max_new_tokens=12)
         other = engine.generate([[9] * 20, [1], [4, 40]], max_new_tokens=12)  # the same prompt-length bucket
@@ -132,7 +154,8 @@ def test_next_call_dispatched_early_only_when_needed(model_and_target):
     ]:
         results = engine.generate(PROMPTS, max_new_tokens=max_new)
         assert [len(r.token_ids) for r in results] == [max_new] * 3
-        assert [kind for kind, _ in engine.device_events] == ["prefill"] + expected, max_new
+        assert [kind for kind, _ in engine.device_events] == ["allocate", "prefill"] + expected, \
+            (max_new, engine.device_events)
 
 
 def test_engine_refuses_bad_settings(model_and_target):

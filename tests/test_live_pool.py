@@ -202,17 +202,51 @@ def test_each_step_is_decided_as_data():
     assert scheduler.abort(0).finish_reason == "abort" and scheduler.abort(0) is None
     scheduler.add(3, row(20, 5))
     step = scheduler.plan(rounds_in_flight=1)
-    assert step.release == (0,) and step.resize is None and step.rounds is None  # admitted: read first
+    # nothing waits and request 2 surely needs another call (18 tokens left, a call emits at most 4): it goes ahead,
+    # and the newcomer, admitted before it, rides in it
+    assert step.release == (0,) and step.resize is None and step.rounds == gamma_policy.Call(1)
     assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((3,), (0,), 1)]
     # one request left in a pool of four, nothing in flight: the pool shrinks to one slot, its row first
     scheduler.abort(3)
     step = scheduler.plan(rounds_in_flight=0)
     assert step.size == 1 and step.resize.tolist() == [2] and scheduler.owner.tolist() == [2]
     assert step.release == (0,) and step.rounds == gamma_policy.Call(1)
-    # a call ahead only when no running row can finish in the one in flight (2 rounds of up to 2 tokens)
+    # a call ahead only when a running row surely needs it after the one in flight (2 rounds of up to 2 tokens),
+    # and while requests wait, only when every running row does
     assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 18 tokens left
     scheduler.requests[2].left = 4
     assert scheduler.plan(rounds_in_flight=1).rounds is None
+
+
+
+def test_while_requests_wait_a_call_goes_ahead_only_when_every_running_row_needs_it():
+    """A pool of max_batch 2, full, with a third request waiting and a call in flight: no call ahead while a row
+    could finish in that call (its slot would sit idle through one more call), one when neither can."""
+    scheduler = LiveScheduler(max_batch=2, max_len=64, prefill_tokens=64, rounds_per_call=2,
+                              policy=gamma_policy.Fixed(1), speculative=True, shrink=False)
+    for i in range(3):
+        scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
+    assert scheduler.plan(rounds_in_flight=0).size == 2 and list(scheduler.waiting) == [2]
+    for r in (0, 1):
+        scheduler.requests[r].prefilled = True
+    scheduler.requests[0].left = 3  # may finish in the call in flight (2 rounds of up to 2 tokens)
+    assert scheduler.plan(rounds_in_flight=1).rounds is None
+    scheduler.requests[0].left = 5
+    assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)
+
+
+def test_a_pool_that_does_not_shrink_keeps_its_size():
+    """Engine.generate's pool (shrink=False): one row left of four keeps the pool of four (its tail compiles no
+    smaller pool), where a live pool shrinks to one."""
+    for shrink, size in ((False, 4), (True, 1)):
+        scheduler = LiveScheduler(max_batch=4, max_len=64, prefill_tokens=64, rounds_per_call=2,
+                                  policy=gamma_policy.Fixed(1), speculative=True, shrink=shrink)
+        for i in range(4):
+            scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
+        assert scheduler.plan(rounds_in_flight=0).size == 4
+        for i in range(3):
+            scheduler.abort(i)
+        assert scheduler.plan(rounds_in_flight=0).size == size
 
 
 MESH_SCRIPT = """

@@ -65,10 +65,9 @@ def test_every_prompt_equals_its_output_alone(world, reference, gamma):
     for r in got:  # each round emits its committed drafts and one more, but a round cut short: that one at most
         emitted = sum(a + 1 for a in r.accept_lengths)
         assert len(r.token_ids) - 1 in (emitted, emitted - 1) if gamma else r.accept_lengths == []
-    # The first admission fills the pool and its prefill's state is the pool's: nothing else is allocated, and
-    # 12 prompts through 3 slots take at least 4 admissions.
+    # The pool is allocated once, free, and 12 prompts through 3 slots take at least 4 admissions.
     kinds = [kind for kind, _ in engine.device_events]
-    assert kinds.count("allocate") == 0 and kinds.count("prefill") >= 4
+    assert kinds.count("allocate") == 1 and kinds.count("prefill") >= 4
 
 
 def test_admissions_of_one_prompt_into_a_pool_allocated_free(world, reference):
@@ -184,7 +183,10 @@ def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory(world
         if n % 200 == 0:
             buffers.append(len(jax.live_arrays()))
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
-    assert len(buffers) == 10 and max(buffers) - min(buffers) <= 4, buffers
+    # Sampled while the pool's thread runs: an admission's fresh caches may be alive beside the pool's at that
+    # moment, so the count is compared at its floor: the second half's no higher than the first's (a leak of one
+    # buffer per prompt would add a thousand).
+    assert len(buffers) == 10 and min(buffers[5:]) - min(buffers[:5]) <= 4, buffers
     # A whole-batch request would hold 2,000 slots of KV: 2,000 x Engine.slot_bytes (750 MB here).
     whole_mb = 2000 * eagle3_jax.decoding.engine.slot_bytes(target, None, MAX_LEN) / 2**20
     assert grown_mb < 100 < whole_mb, (grown_mb, whole_mb)

@@ -22,6 +22,7 @@ from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
 import spec_worlds as worlds
+from transfer_guard import no_implicit_transfers
 
 V, VD, H = 16, 10, 16  # target vocabulary, the drafter's (a strict subset), width
 PROMPT = [3, 9, 1]
@@ -323,7 +324,7 @@ def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal)
          "seed": [1, None, 2**64 - 1] * 2},
         {"temperature": 0.6, "top_k": 10**12, "top_p": 1.0},
     ]
-    with jax.transfer_guard("disallow"), count_compilations() as compiles:
+    with no_implicit_transfers(), count_compilations() as compiles:
         for settings in requests:
             results = engine.generate(SIX, 16, **settings)
             transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]

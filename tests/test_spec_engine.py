@@ -12,6 +12,7 @@ from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
 import spec_worlds as worlds
+from transfer_guard import no_implicit_transfers
 
 GAMMAS = [1, 2, 3, 5, 7]
 PROMPTS = [[3, 17, 5, 40, 22, 9, 1], [30, 2], [7, 7, 7, 21, 44, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -191,7 +192,7 @@ def test_one_transfer_per_call_and_no_recompile(world):
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     engine.generate(PROMPTS, 16)
-    with jax.transfer_guard("disallow"), count_compilations() as compiles:
+    with no_implicit_transfers(), count_compilations() as compiles:
         results = engine.generate(PROMPTS, 16)
         transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
         rounds = max(len(r.accept_lengths) for r in results)
@@ -210,7 +211,8 @@ def test_no_call_runs_in_vain_at_the_end(world):
     (result,) = engine.generate([PROMPTS[0]], 30)
     assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
     assert [kind for kind, _ in engine.device_events] == [
-        "prefill", "call", "transfer", "call", "transfer", "call", "transfer", "transfer", "call", "transfer"]
+        "allocate", "prefill", "call", "transfer", "call", "transfer", "call", "transfer", "transfer", "call",
+        "transfer"]
 
 
 @pytest.mark.parametrize("rounds_per_call", [1, 2, 5])

@@ -1,6 +1,8 @@
-"""The host side: a checked request (request.py) decoded through a pool of slots (scheduler.py, slots.py):
-prompts are prefilled into free slots in input order and one jitted call of rounds after another runs over
-the pool, so any number of prompts runs in the pool's memory.
+"""The host side: a checked request (request.py) decoded through a pool of slots (live.py, live_plan.py,
+slots.py): prompts are prefilled into free slots in input order and one jitted call of rounds after another
+runs over the pool, so any number of prompts runs in the pool's memory. `generate`, `stream` and
+`as_completed` run a live pool of their own, the one the server runs (decoding/live.py), given every prompt at
+once.
 
 Each device operation's outputs come back in one small device-to-host transfer (prefill's first tokens,
 or a call's rounds). Stop checks run on the device; rounds run after every row is done change nothing and
@@ -29,16 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import engine_args, gamma_policy, round_costs, scheduler, slots, spec_round
+from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, round_costs, slots, spec_round
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding.live_plan import admission_shapes
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.parallel import steps as parallel_steps
@@ -199,37 +203,6 @@ class Engine:
         """The prefill of a build: one for both proposals (prefill draws no drafts), with the build's filter."""
         return dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if spec.sampling else self._spec
 
-    def _ops(self, request: Request) -> scheduler.Ops:
-        """The device operations of a request's build, each recorded in `device_events`."""
-        spec = self._build(request)
-        prefill_spec = self._prefill_build(spec)
-        params, steps = (self.target.params, self._draft_params), self._steps
-
-        def empty(rows, template):
-            self.device_events.append(("allocate", (rows,)))
-            return steps.empty(*params, steps.put(template.take([], rows, self.max_len)), spec=prefill_spec)
-
-        def admit(state, rows, slot_ids):
-            self.device_events.append(("prefill", ()))
-            fresh, packed = steps.prefill(*params, steps.put(rows), spec=prefill_spec)
-            return (fresh if state is None else steps.insert(state, fresh, steps.put(slot_ids))), packed
-
-        def rounds(state, gamma, flush):
-            return self._call_rounds(state, dataclasses.replace(spec, gamma=gamma, flush=flush))
-
-        return scheduler.Ops(empty=empty, admit=admit, rounds=rounds, fetch=self._fetch)
-
-    def _call_rounds(self, state, spec: spec_round.StepSpec):
-        """Dispatches one call of rounds (asynchronously: JAX returns before the device finishes)."""
-        self.device_events.append(("call", (self._rounds_per_call,)))
-        return self._steps.rounds(self.target.params, self._draft_params, state, spec=spec,
-                                  num_rounds=self._rounds_per_call)
-
-    def _fetch(self, packed: jax.Array) -> np.ndarray:
-        """The engine's only device-to-host transfer: one int32 array per call (prefill, or a call of rounds)."""
-        self.device_events.append(("transfer", tuple(packed.shape)))
-        return self._steps.fetch(packed)
-
     @property
     def spec(self) -> spec_round.StepSpec:
         """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
@@ -297,18 +270,18 @@ class Engine:
         bar = progress_lib.progress_bar(P, self._pool_rows(request), progress)
         try:
             for event in self._events(request, trace):
-                tokens[event.prompt].extend(event.tokens)
-                if event.accepted is not None:
-                    accepts[event.prompt].append(event.accepted)
-                    gammas[event.prompt].append(event.gamma)
+                i = event.request
+                tokens[i].extend(event.tokens)
+                if event.gamma is not None:  # a speculative round
+                    accepts[i].append(event.accepted)
+                    gammas[i].append(event.gamma)
                     if event.trace is not None:
-                        traces[event.prompt].append(RoundTrace(*event.trace, event.accepted))
+                        traces[i].append(RoundTrace(*event.trace, event.accepted))
                 if bar is not None:
                     bar.add(len(event.tokens), event.finished)
                 if event.finished:
-                    i, new = event.prompt, tokens[event.prompt]
-                    reason = "stop" if new and request.is_stop(i, new[-1]) else "length"
-                    yield i, Result(new, reason, accepts[i], traces[i] if trace else None, gammas[i])
+                    yield i, Result(tokens[i], event.finish_reason, accepts[i], traces[i] if trace else None,
+                                    gammas[i])
         finally:
             if bar is not None:
                 bar.close()
@@ -320,37 +293,48 @@ class Engine:
         request as usual. A bad request raises here, before the first chunk is asked for."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed)
-        return ((e.prompt, e.tokens) for e in self._events(request) if e.tokens)
+        return ((e.request, e.tokens) for e in self._events(request) if e.tokens)
 
     def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False,
                 top_k: int = 0) -> int:
         """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
         longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
         waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
-        each admission's prefill (prompt bucket x rows, as scheduler.run groups them) and the call of rounds
+        each admission's prefill (prompt bucket x rows, as live_plan's scheduler groups them) and the call of rounds
         (of every gamma under "auto", whose round costs at the pool's size it also measures or loads); greedy,
         or when `samples` the sampling build that rows of this `top_k` take (0: the radix build, for any
         settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build either way). Returns how
         many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0
         template = self.request([[0] * longest_prompt], 1, temperature=temperature, top_k=top_k)
-        ops, pool = self._ops(template), self.max_batch
-        state = ops.empty(pool, template)
+        spec = self._build(template)
+        prefill_spec, pool = self._prefill_build(spec), self.max_batch
+        params, steps = (self.target.params, self._draft_params), self._steps
+        (row,) = live_plan.request_rows(template, self.max_len)  # the live pool's rows: sampling settings set
+        state = steps.empty(*params, steps.put(row.take([], pool, self.max_len)), spec=prefill_spec)
         lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
                           for n in range(shortest_prompt, longest_prompt + 1)})
         shapes = 0
         for length in lengths:
-            for rows in scheduler.admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
+            for rows in admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
+                admission = live_plan.stack([self._dummy_row(length, temperature, top_k)] * rows, rows, self.max_len)
+                fresh, _ = steps.prefill(*params, steps.put(admission), spec=prefill_spec)
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
-                state, _ = ops.admit(state, self.request([[0] * length] * rows, 1, temperature=temperature,
-                                                         top_k=top_k), drop)
+                state = steps.insert(state, fresh, steps.put(drop))
                 shapes += 1
         for call in self._calls():
-            state, packed = ops.rounds(state, call.gamma, call.flush)
-            ops.fetch(packed)
+            state, packed = steps.rounds(*params, state, spec=dataclasses.replace(spec, gamma=call.gamma,
+                                                                                  flush=call.flush),
+                                         num_rounds=self.rounds_per_call)
+            steps.fetch(packed)
         if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
             self.round_costs(pool, 0.0, template)
         return shapes
+
+    def _dummy_row(self, length: int, temperature: float, top_k: int) -> Request:
+        (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature, top_k=top_k),
+                                        self.max_len)
+        return row
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -409,13 +393,6 @@ class Engine:
         flushing call brings it up to date (gamma_policy.Auto's `holds`)."""
         return self._holds
 
-    def _policy(self, request: Request) -> scheduler.Policy:
-        if not self.auto:
-            return gamma_policy.Fixed(self.num_draft_tokens)
-        rows = self._pool_rows(request)
-        return gamma_policy.Auto(self.num_draft_tokens, lambda length: self.round_costs(rows, length, request),
-                                 holds=self.holds_pairs)
-
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
         """The request `generate` runs for these arguments, checked against this engine's max_len and the
@@ -429,12 +406,25 @@ class Engine:
         """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""
         return min(self.max_batch, request.num_rows)
 
-    def _events(self, request: Request, trace: bool = False) -> Iterator[scheduler.Event]:
+    def _events(self, request: Request, trace: bool = False) -> Iterator[live_plan.Event]:
+        """The request's events (Event.request: the prompt's index) from a live pool of its own: every prompt
+        submitted at once, min(max_batch, prompts) slots kept to the end. Closing the iterator aborts what is
+        left; a device failure in the pool raises here."""
         self.device_events = []
-        return scheduler.run(self._ops(request), request, self._pool_rows(request), policy=self._policy(request),
-                             prefill_gamma=self.num_draft_tokens, rounds_per_call=self.rounds_per_call,
-                             max_len=self.max_len, speculative=self._proposer is not None,
-                             prefill_tokens=self.prefill_tokens, trace=trace)
+        pool = live.LivePool(self, int(request.stop_ids.shape[1]), max_batch=self._pool_rows(request), shrink=False,
+                             trace=trace, events=self.device_events)
+        arrived: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            pool.submit_all(live_plan.request_rows(request, self.max_len), arrived.put)
+            left = request.num_rows
+            while left:
+                event = arrived.get()
+                if event.finish_reason == "error":
+                    raise pool.error
+                left -= event.finished
+                yield event
+        finally:
+            pool.close()
 
 
 def slot_bytes(target: Target, drafter, max_len: int) -> int:

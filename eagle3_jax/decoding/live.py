@@ -14,6 +14,10 @@ rows' settings (sampling.filter_for); the two read the same state. On a tensor-p
 the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
 num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with the round costs of the pool's
 current size.
+
+`Engine.generate`, `stream` and `as_completed` run on a pool of their own (`Engine._events`): every prompt of the
+request submitted at once (`submit_all`), a pool of min(max_batch, prompts) slots that does not shrink, the
+request's stop width, and the rounds' traces when asked for.
 """
 
 from __future__ import annotations
@@ -38,12 +42,17 @@ jit_release = jax.jit(slots.release, donate_argnames=("state",))
 
 
 class LivePool:
-    """An engine's pool serving requests submitted at any time from any thread (see the module docstring)."""
+    """An engine's pool serving requests submitted at any time from any thread (see the module docstring).
+    max_batch: the most slots (None: the engine's); shrink: whether the pool shrinks when its requests fill a
+    quarter of it; trace: whether events carry each speculative round's drafts and target choices; events: a
+    list the pool appends its device operations to (Engine.device_events' kinds), or None."""
 
-    def __init__(self, engine, stop_width: int = STOP_WIDTH):
+    def __init__(self, engine, stop_width: int = STOP_WIDTH, *, max_batch: int | None = None, shrink: bool = True,
+                 trace: bool = False, events: list | None = None):
         if not isinstance(stop_width, int) or stop_width < 1:
             raise ValueError(f"stop_width must be a positive int, got {stop_width!r}")
         self.engine, self.stop_width = engine, stop_width
+        self._events = events if events is not None else []
         # On a mesh the steps' shard_maps fix which state fields exist per build, and only the sampling build's
         # carry every row's settings: its calls run every row there, greedy rows on its argmax path.
         self._always_sampling = engine.spec.tp is not None
@@ -52,8 +61,8 @@ class LivePool:
                 self._scheduler.size, length, self._cost_template()), holds=engine.holds_pairs)
         else:
             policy = gamma_policy.Fixed(engine.num_draft_tokens)
-        self._scheduler = LiveScheduler(engine.max_batch, engine.max_len, engine.prefill_tokens,
-                                        engine.rounds_per_call, policy, engine.drafter is not None)
+        self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_tokens,
+                                        engine.rounds_per_call, policy, engine.drafter is not None, shrink, trace)
         self._state = None
         self._queue: collections.deque = collections.deque()  # (kind, packed, gamma, owners) dispatched, unread
         self._lock = threading.Condition()
@@ -87,13 +96,17 @@ class LivePool:
         """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's
         thread for each chunk of tokens, the last with finished=True (finish_reason "stop", "length", "abort",
         or "error" when the pool failed)."""
+        return self.submit_all([row], on_event)[0]
+
+    def submit_all(self, rows: list[Request], on_event: Callable[[Event], None]) -> list[int]:
+        """Queues one-row requests together (the scheduler takes them in one step, in order); their ids."""
         with self._lock:
             if self._stopping or self.error is not None:
                 raise RuntimeError("the live pool is closed")
-            request_id = next(self._ids)
-            self._inbox.append(("add", request_id, row, on_event))
+            ids = [next(self._ids) for _ in rows]
+            self._inbox += [("add", request_id, row, on_event) for request_id, row in zip(ids, rows)]
             self._lock.notify()
-        return request_id
+        return ids
 
     def abort(self, request_id: int) -> None:
         """Stops a request (waiting or running) at the next step; its callback gets finish_reason "abort".
@@ -143,15 +156,23 @@ class LivePool:
                 self._deliver(events)
                 if stopping:
                     return
-                self._execute(self._scheduler.plan(sum(entry[0] == "rounds" for entry in self._queue)))
+                self._execute(self._scheduler.plan(self._rounds_in_flight()))
+                if self._rounds_in_flight() == 1 and self._queue[-1][0] == "rounds" and len(self._queue) == 1:
+                    # the call just dispatched is all in flight: the next may go ahead of reading it (the device
+                    # then does not idle on the host), as the scheduler decides
+                    self._execute(self._scheduler.plan(1))
                 if self._queue:
                     kind, packed, gamma, owners = self._queue.popleft()
+                    self._events.append(("transfer", tuple(packed.shape)))
                     self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed)))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
                 self.error = e
                 self._take_inbox()
             self._deliver([Event(r, [], 0, 0, True, "error") for r in list(self._callbacks)])
+
+    def _rounds_in_flight(self) -> int:
+        return sum(entry[0] == "rounds" for entry in self._queue)
 
     def _deliver(self, events: list[Event]) -> None:
         for event in events:
@@ -168,9 +189,10 @@ class LivePool:
         params = (engine.target.params, engine._draft_params)
         max_len = engine.max_len
         if step.release and self._state is not None:
-            self._state = jit_release(self._state, np.array(step.release, np.int32))
+            self._state = jit_release(self._state, steps.put(np.array(step.release, np.int32)))
         if step.resize is not None:
             if self._state is None:
+                self._events.append(("allocate", (step.size,)))
                 template = self.check([0], 1).take([], step.size, max_len)
                 spec = engine._prefill_build(engine._build(template)) if self._always_sampling else engine.spec
                 self._state = steps.empty(*params, steps.put(template), spec=spec)
@@ -180,6 +202,7 @@ class LivePool:
             rows = stack([scheduler.requests[r].row for r in admission.requests], admission.rows, max_len)
             sampled = self._always_sampling or bool(np.any(rows.sampling.temperature > 0))
             spec = engine._prefill_build(engine._build(rows) if sampled else engine.spec)
+            self._events.append(("prefill", ()))
             fresh, packed = steps.prefill(*params, steps.put(rows), spec=spec)
             targets = np.full((admission.rows,), step.size, np.int32)
             targets[: len(admission.slots)] = admission.slots
@@ -191,5 +214,6 @@ class LivePool:
             sampled = step.sampling or self._always_sampling
             build = engine._build(scheduler.busy_settings()) if sampled else engine.spec
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
+            self._events.append(("call", (engine.rounds_per_call,)))
             self._state, packed = steps.rounds(*params, self._state, spec=spec, num_rounds=engine.rounds_per_call)
             self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))

@@ -4,7 +4,13 @@ decision of each step as data (`Step`) for a runner to execute (live.py).
 A request waits in arrival order until a slot is free; `plan` then admits it (prefill into a slot), frees the
 slots of aborted requests, resizes the pool to the batch it needs, and picks the next call of rounds. The pool
 holds `size` slots, a power of four up to max_batch: enough for the running and waiting requests, so that a
-lone request runs rounds of one row, not of max_batch. `read` attributes one operation's transfer to the
+lone request runs rounds of one row, not of max_batch. A pool that does not `shrink` (Engine.generate's, whose
+requests all arrive at once) keeps its size to the end, so its tail compiles no smaller pool.
+
+While some running row surely needs another call (more tokens left than the call in flight can emit), the
+next call is planned before the one in flight is read, so the device does not idle on the host. While requests
+wait for slots, only when every running row needs it: a slot freed by the call in flight is then refilled
+before another call runs without it. `read` attributes one operation's transfer to the
 requests that held its rows when it was dispatched (the owner snapshot travels with the operation), so a row
 that finished or was aborted while the operation was in flight is ignored.
 
@@ -17,13 +23,45 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
 from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput
 from eagle3_jax.decoding.sampling import SamplingParams
-from eagle3_jax.decoding.scheduler import admission_rows
+
+
+class Policy(Protocol):
+    """Which gamma each call of rounds runs (gamma_policy.py)."""
+
+    # The next call (gamma_policy.Call) at this mean KV length of the running rows; nothing changes until
+    # `dispatched` says it ran.
+    def choose(self, length: float): ...
+
+    def dispatched(self, call) -> None: ...
+
+    def observe(self, gamma: int, out: RoundOutput) -> None: ...  # one round's output, read
+
+    # Whether a call may be chosen before the one in flight is read: a policy with no evidence yet would
+    # choose the second call from its prior too.
+    def may_choose_ahead(self) -> bool: ...
+
+
+def admission_rows(count: int, pool: int) -> int:
+    """The rows a prefill of `count` prompts runs: a power of four, at most the pool, so that few shapes
+    compile (a prefill compiles per rows x prompt bucket) while padding stays under 3/4 of a prefill."""
+    rows = 1
+    while rows < count:
+        rows *= 4
+    return min(rows, pool)
+
+
+def admission_shapes(pool: int, bucket: int, prefill_tokens: int) -> list[int]:
+    """The row counts admissions of prompts of one bucket can run (`LiveScheduler._admit`'s rule): every
+    admission_rows(n) that one prefill of prefill_tokens holds, and 1 always."""
+    return sorted({admission_rows(n, pool) for n in range(1, pool + 1)
+                   if n == 1 or admission_rows(n, pool) * bucket <= prefill_tokens})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +97,8 @@ class Event:
     drafted: int  # drafts the round proposed for this row (its gamma; 0 for prefill and plain rounds)
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
+    gamma: int | None = None  # a speculative round's drafts per round (0 included); None for prefill, spec off
+    trace: tuple[list[int], list[int]] | None = None  # with trace: a speculative round's (drafts, target choices)
 
 
 @dataclasses.dataclass
@@ -67,15 +107,17 @@ class _Live:
     left: int  # tokens it may still emit
     length: int  # its sequence length on the device (prompt + emitted)
     slot: int = -1  # -1 while waiting
+    prefilled: bool = False  # its prefill's first token has been read
 
 
 class LiveScheduler:
     """The host state of a live pool: waiting and running requests, the slot each holds, the gamma policy."""
 
-    def __init__(self, max_batch: int, max_len: int, prefill_tokens: int, rounds_per_call: int, policy,
-                 speculative: bool):
+    def __init__(self, max_batch: int, max_len: int, prefill_tokens: int, rounds_per_call: int, policy: Policy,
+                 speculative: bool, shrink: bool = True, trace: bool = False):
         self.max_batch, self.max_len, self.prefill_tokens = max_batch, max_len, prefill_tokens
         self.rounds_per_call, self.policy, self.speculative = rounds_per_call, policy, speculative
+        self.shrink, self.trace = shrink, trace
         self.size = 0  # the pool's slots (0: no pool yet)
         self.owner = np.zeros((0,), np.int64)  # request id per slot, -1 free
         self.waiting: collections.deque[int] = collections.deque()
@@ -120,14 +162,15 @@ class LiveScheduler:
         resize, size = self._resize(rounds_in_flight)
         admissions = self._admit()
         rounds = None
-        busy = self.owner >= 0
-        if busy.any() and rounds_in_flight == 0:
+        busy = self.owner[self.owner >= 0]
+        # Tokens each running row may still emit once what is in flight arrives (its prefill's first token).
+        left = np.array([self.requests[r].left - (not self.requests[r].prefilled) for r in busy])
+        if rounds_in_flight == 0 and np.any(left > 0):
             rounds = self._choose()
-        elif busy.any() and rounds_in_flight == 1 and not self.waiting and not admissions \
-                and self.policy.may_choose_ahead():
+        elif rounds_in_flight == 1 and len(busy) and self.policy.may_choose_ahead():
             ahead = self._choose()
-            left = np.array([self.requests[r].left for r in self.owner[busy]])
-            if np.all(left > self.rounds_per_call * (ahead.gamma + 1)):
+            need = left > self.rounds_per_call * (ahead.gamma + 1)
+            if need.all() if self.waiting else need.any():
                 rounds = ahead
         if rounds is not None:
             self.policy.dispatched(rounds)
@@ -147,7 +190,7 @@ class LiveScheduler:
         if need > self.size:
             new = pool_size(need, self.max_batch)
             index = np.concatenate([np.arange(self.size), np.full((new - self.size,), self.size)])
-        elif need <= self.size // 4 and rounds_in_flight == 0:
+        elif self.shrink and need <= self.size // 4 and rounds_in_flight == 0:
             new = pool_size(need, self.max_batch)
             index = np.concatenate([busy, np.full((new - len(busy),), self.size)])
         else:
@@ -196,6 +239,7 @@ class LiveScheduler:
             if speculative:
                 self.policy.observe(gamma, out)
             accepted, done = out.accepted.tolist(), out.done.tolist()
+            drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if self.trace and speculative else ((), ())
             for row, r in enumerate(owners.tolist()):
                 live = self.requests.get(r)
                 if live is None or live.slot < 0 or self.owner[live.slot] != r:
@@ -203,13 +247,15 @@ class LiveScheduler:
                 new = out.tokens[row]
                 live.left -= len(new)
                 live.length += len(new)
+                live.prefilled = True
                 drafted = gamma if speculative and new else 0
                 reason = None
                 if done[row]:
                     reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
                     self.owner[live.slot] = -1
                     del self.requests[r]
-                events.append(Event(r, new, accepted[row] if speculative else 0, drafted, done[row], reason))
+                events.append(Event(r, new, accepted[row] if speculative else 0, drafted, done[row], reason,
+                                    gamma if speculative else None, (drafts[row], choices[row]) if drafts else None))
         return events
 
 
@@ -226,9 +272,21 @@ def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_s
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given
+    return _with_settings(dataclasses.replace(row, stop_ids=stop_ids))
+
+
+def request_rows(request: Request, max_len: int) -> list[Request]:
+    """A checked request's rows (Engine.request) as the one-row requests a live pool takes, stop ids at the
+    request's width, each prompt cut to its own bucket."""
+    return [_with_settings(request.take([i], 1, max_len)) for i in range(request.num_rows)]
+
+
+def _with_settings(row: Request) -> Request:
+    """The row with its sampling settings set even when greedy (temperature 0), so that every row of a live pool
+    has the same fields."""
     sampling = row.sampling or SamplingParams(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
                                               np.zeros((1, 2), np.uint32))
-    return dataclasses.replace(row, stop_ids=stop_ids, sampling=sampling)
+    return dataclasses.replace(row, sampling=sampling)
 
 
 def pool_size(rows: int, max_batch: int) -> int:
