@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (eagle3_jax/serving) under load, through HTTP, spec on ("auto") against spec off,
 on a planted-acceptance world (planted_world.py) at a preset's shapes.
 
-    python -m eagle3_jax_bench.serve --out DIR [--model qwen3-8b] [--users 1 4 16 64] [--requests 4 16 32 64]
+    python -m eagle3_jax_bench.serve --out DIR [--model qwen3-8b] [--users 1 4 16 64] [--requests 8 32 128 512]
         [--lengths 128 2048] [--budgets 64 512] [--tau 3] [--max-gamma 3] [--think-s 0.05] [--budget-s 1e9]
     python -m eagle3_jax_bench.serve --out DIR --dry-run     (the tiny preset on the CPU, a few requests)
 
@@ -15,14 +15,17 @@ tokens/s, and at 1 user that against Engine.generate's.
   pool's scheduler on another); the load generator (load.py) runs in a process of its own.
 * per mode (spec "auto" with max_draft_tokens --max-gamma; spec off) and per level of --users: that many closed-
   loop users with exponential think times (Poisson arrivals), --requests requests of the level, prompt lengths
-  and max_tokens uniform in --lengths and --budgets as the pool bench draws them (seed 0). Each level runs once
-  with max_tokens cut to 4 (it compiles the level's shapes; untimed), then timed: output tokens/s (all
-  completion tokens over the wall time), TTFT p50/p99, inter-chunk latency p50/p99 (a call of rounds arrives as
-  one chunk), and each request's decode speed (its tokens over the time from its send to its last chunk).
+  and max_tokens uniform in --lengths and --budgets as the pool bench draws them (seed 0). Each level runs its
+  first WARM_UP_PER_USER x users requests with max_tokens cut to 4 (untimed: it compiles the level's pool sizes
+  and most of its prefill shapes; the compilations left are counted), then all of them timed: output tokens/s
+  (all completion tokens over the wall time), TTFT p50/p99, inter-chunk latency p50/p99 (a call of rounds arrives
+  as one chunk), and each request's decode speed (its tokens over the time from its send to its last chunk).
 * one_user_vs_generate: at 1 user, the mean over requests of that decode speed against `Engine.generate`'s
   batch-1 tokens/s on the same prompt and budget, on the same engine in this process (goal: >= 0.95, i.e. HTTP,
   JSON and detokenization cost under 5%).
-Fewer requests per level than the issue's 512 keep a run near three minutes on the H200 (--requests).
+512 requests at every level would not fit a device session: at 1 user the workload's 147k output tokens take about
+5 minutes at spec "auto"'s 477 tokens/s and 11 at spec off's 216, so the defaults scale the requests with the
+users (--requests).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .core import Run, versions
 from .profile import count_compilations
 
 MODES = ("auto", "off")
+WARM_UP_PER_USER = 2  # the untimed pass's requests per user
 
 
 def stand_in_tokenizer(vocab_size: int):
@@ -145,7 +149,8 @@ def measure(run: Run, w, mode: str, engine, server: Serving, users: int, count: 
     """One level of one mode: an untimed pass with max_tokens cut to 4 (it compiles), then the timed one."""
     requests = workload(w.world, count, args.lengths, args.budgets, seed=users)
     start = time.perf_counter()
-    client.submit(load.run_load, server.url, "bench", [(p, min(m, 4)) for p, m in requests], users, 0.0).result()
+    warm = [(p, min(m, 4)) for p, m in requests[: WARM_UP_PER_USER * users]]
+    client.submit(load.run_load, server.url, "bench", warm, users, 0.0).result()
     warm_s = time.perf_counter() - start
     with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here
         results = client.submit(load.run_load, server.url, "bench", requests, users, args.think_s).result()
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="qwen3-8b", help="a preset's shapes (eagle3_jax_bench/presets.py)")
     parser.add_argument("--users", type=int, nargs="+", help="concurrent users per level (default: 1 4 16 64)")
-    parser.add_argument("--requests", type=int, nargs="+", help="requests per level (default: 4 16 32 64)")
+    parser.add_argument("--requests", type=int, nargs="+", help="requests per level (default: 8 32 128 512)")
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 2048], help="prompt lengths (the pool bench's)")
     parser.add_argument("--budgets", type=int, nargs=2, default=[64, 512], help="max_tokens (the pool bench's)")
     parser.add_argument("--tau", type=float, default=3.0, help="planted tokens per round at the largest gamma")
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.model, args.lengths, args.budgets = "tiny", [4, 20], [2, 8]
     args.users = args.users or ([1, 2] if args.dry_run else [1, 4, 16, 64])
-    args.requests = args.requests or ([2, 3] if args.dry_run else [4, 16, 32, 64])
+    args.requests = args.requests or ([2, 3] if args.dry_run else [8, 32, 128, 512])
     if len(args.requests) != len(args.users) or min(args.users + args.requests) < 1:
         parser.error("--requests needs one positive count per level of --users")
     if min(args.lengths + args.budgets) < 1 or args.lengths[0] > args.lengths[1] or args.budgets[0] > args.budgets[1]:

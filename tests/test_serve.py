@@ -193,8 +193,9 @@ def test_stop_strings_across_tokens_and_stop_token_ids(server, offline):
         if stream:
             chunks = list(got)
             assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
-        else:
+        else:  # usage counts the tokens up to the 5th, which completes the stop string, none past it
             assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+            assert got.usage.completion_tokens == 5
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
                                     extra_body={"stop_token_ids": [tokens[6]], "ignore_eos": True})
     ((_, _, want, _),) = offline([prompt], 30, stops=(tokens[6],))

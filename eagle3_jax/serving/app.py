@@ -121,17 +121,15 @@ class Generation:
                     (metrics.ttft if self.usage.completion_tokens == 0 else metrics.itl).observe(
                         now - (start if self.usage.completion_tokens == 0 else last))
                     last = now
-                self.usage.completion_tokens += len(event.tokens)
+                text, hit, used = self._text(event.tokens, event.finished)
+                self.usage.completion_tokens += used
                 self.usage.accepted += event.accepted
                 self.usage.drafted += event.drafted
-                metrics.generation_tokens += len(event.tokens)
-                text = self._detokenizer.add(event.tokens) + (self._detokenizer.flush() if event.finished else "")
-                text, hit = self._stops.add(text)
+                metrics.generation_tokens += used
                 if hit:
                     state.pool.abort(request_id)
                     self.finish_reason = "stop"
                 elif event.finished:
-                    text += self._stops.flush()
                     self.finish_reason = event.finish_reason
                 if text:
                     yield text
@@ -142,6 +140,21 @@ class Generation:
                 self.finish_reason = "abort"
             metrics.request_finished(self.finish_reason)
 
+
+    def _text(self, tokens: list[int], finished: bool) -> tuple[str, bool, int]:
+        """(the text these tokens add, cut before a stop string; whether one was found; the tokens used: up to the
+        one that completed the stop string, so that usage counts no token past it). With stop strings the tokens
+        are detokenized one at a time (the deltas are the same text at any chunking)."""
+        text = ""
+        for n, piece in enumerate([[t] for t in tokens] if self._stops.active else [tokens]):
+            delta, hit = self._stops.add(self._detokenizer.add(piece))
+            text += delta
+            if hit:  # only with stop strings: one token a piece
+                return text, True, n + 1
+        if not finished:
+            return text, False, len(tokens)
+        delta, hit = self._stops.add(self._detokenizer.flush())
+        return text + delta + ("" if hit else self._stops.flush()), hit, len(tokens)
 
     def cancel(self) -> None:
         """Aborts the request in the pool (a client gone): its stream then ends with finish_reason "abort"."""

@@ -50,6 +50,11 @@ class StopStrings:
         self._keep = max((len(s) for s in self._stops), default=1) - 1  # a stop may begin in these
         self._held = ""
 
+    @property
+    def active(self) -> bool:
+        """Whether there is a stop string to look for."""
+        return bool(self._stops)
+
     def add(self, delta: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found: the text is then everything before it)."""
         text = self._held + delta
