@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding.sampling import SamplingParams
 from eagle3_jax.decoding.spec_round import DecodeState
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import qwen3 as target_lib
@@ -57,13 +58,16 @@ def random_cache(num_layers, batch, kv_heads, capacity, head_dim, length, dtype,
 def running_state(target_cache: KVCache, last_token, draft_cache: KVCache | None = None,
                   draft_hidden=None) -> DecodeState:
     """The state the engine's rounds run from after a prefill: rows mid-generation with no stop id, no
-    token limit and none done, greedy. (Should become library API beside DecodeState: the engine builds
-    the same after its prefill.)"""
+    token limit and none done, greedy, with their sampling settings set (temperature 0) as the engine's pool
+    lays its rows out (decoding/live_plan.py), so that a timed call runs the executable the engine runs.
+    (Should become library API beside DecodeState: the engine builds the same after its prefill.)"""
     batch = last_token.shape[0]
+    greedy = SamplingParams(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
+                            top_p=jnp.ones((batch,), jnp.float32), seed=jnp.zeros((batch, 2), jnp.uint32))
     return DecodeState(target_cache=target_cache, draft_cache=draft_cache, last_token=last_token,
                        draft_hidden=draft_hidden, num_generated=jnp.zeros((batch,), jnp.int32),
                        max_new=jnp.full((batch,), 1 << 30, jnp.int32), stop_ids=jnp.full((batch, 8), -1, jnp.int32),
-                       done=jnp.zeros((batch,), bool))
+                       done=jnp.zeros((batch,), bool), sampling=greedy)
 
 
 def random_state(models: tuple, batch: int, length: int, capacity: int, dtype, with_drafter: bool) -> DecodeState:

@@ -15,11 +15,12 @@ tokens/s, and at 1 user that against Engine.generate's.
   pool's scheduler on another); the load generator (load.py) runs in a process of its own.
 * per mode (spec "auto" with max_draft_tokens --max-gamma; spec off) and per level of --users: that many closed-
   loop users with exponential think times (Poisson arrivals), --requests requests of the level, prompt lengths
-  and max_tokens uniform in --lengths and --budgets as the pool bench draws them (seed 0). Each level runs its
-  first WARM_UP_PER_USER x users requests with max_tokens cut to 4 (untimed: it compiles the level's pool sizes
-  and most of its prefill shapes; the compilations left are counted), then all of them timed: output tokens/s
-  (all completion tokens over the wall time), TTFT p50/p99, inter-chunk latency p50/p99 (a call of rounds arrives
-  as one chunk), and each request's decode speed (its tokens over the time from its send to its last chunk).
+  and max_tokens uniform in --lengths and --budgets as the pool bench draws them (seed 0). Each level first runs,
+  untimed and with max_tokens cut to 4, one request of each prompt bucket and its first WARM_UP_PER_USER x users
+  requests (it compiles the level's pool sizes and most of its prefill shapes; the compilations left are
+  counted), then all of them timed: output tokens/s (all completion tokens over the wall time), TTFT p50/p99,
+  inter-chunk latency p50/p99 (a call of rounds arrives as one chunk), and each request's decode speed (its
+  tokens over the time from its send to its last chunk).
 * one_user_vs_generate: at 1 user, the mean over requests of that decode speed against `Engine.generate`'s
   batch-1 tokens/s on the same prompt and budget, on the same engine in this process (goal: >= 0.95, i.e. HTTP,
   JSON and detokenization cost under 5%).
@@ -44,6 +45,7 @@ import numpy as np
 
 import eagle3_jax
 from eagle3_jax.checkpoints.generation import GREEDY
+from eagle3_jax.decoding.request import bucket_length
 
 from . import load, planted
 from .core import Run, versions
@@ -149,7 +151,8 @@ def measure(run: Run, w, mode: str, engine, server: Serving, users: int, count: 
     """One level of one mode: an untimed pass with max_tokens cut to 4 (it compiles), then the timed one."""
     requests = workload(w.world, count, args.lengths, args.budgets, seed=users)
     start = time.perf_counter()
-    warm = [(p, min(m, 4)) for p, m in requests[: WARM_UP_PER_USER * users]]
+    by_bucket = {bucket_length(len(p), args.max_len): (p, m) for p, m in reversed(requests)}  # each bucket's first
+    warm = [(p, min(m, 4)) for p, m in list(by_bucket.values()) + requests[: WARM_UP_PER_USER * users]]
     client.submit(load.run_load, server.url, "bench", warm, users, 0.0).result()
     warm_s = time.perf_counter() - start
     with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here

@@ -381,7 +381,8 @@ class Engine:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
-        rows = jax.device_put(template.take([], batch, self.max_len))
+        # the pool's rows as a live pool lays them out (sampling settings set): the executable timed is the one run
+        rows = jax.device_put(live_plan.request_rows(template, self.max_len)[0].take([], batch, self.max_len))
         state = jit_empty(self.target.params, self._draft_params, rows, spec=self._prefill_build(spec))
         state = round_costs.timing_pool(state, length, self.target.config.vocab_size, self.max_len)
         return round_costs.time_calls(lambda s: jit_rounds(self.target.params, self._draft_params, s, spec=spec,

@@ -68,7 +68,9 @@ class DecodeState:
     max_new: jax.Array  # [B] int32, the request's max_new_tokens
     stop_ids: jax.Array  # [B, P] int32 padded with -1
     done: jax.Array  # [B] bool
-    sampling: sampling_lib.SamplingParams | None = None  # per-row settings; None in a greedy build
+    # per-row settings (greedy rows at temperature 0, as the engine's pool sets them; a greedy build reads none of
+    # them); None: a state built without any
+    sampling: sampling_lib.SamplingParams | None = None
     held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
     history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
 
