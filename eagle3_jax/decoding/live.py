@@ -36,6 +36,7 @@ from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row, 
 from eagle3_jax.decoding.request import Request
 
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
+THREAD_STACK_BYTES = 256 * 2**20  # the pool thread's stack (reserved address space, committed only as used)
 
 jit_resize = jax.jit(slots.resize)
 jit_release = jax.jit(slots.release, donate_argnames=("state",))
@@ -72,8 +73,13 @@ class LivePool:
         self._stopping = False
         self.error: BaseException | None = None
         self.draft_tokens = self.accepted_tokens = 0
-        self._thread = threading.Thread(target=self._run, name="eagle3-jax-live-pool", daemon=True)
-        self._thread.start()
+        # XLA compiles the steps on this thread, and its compiler may recurse deeply: a large stack
+        old = threading.stack_size(THREAD_STACK_BYTES)
+        try:
+            self._thread = threading.Thread(target=self._run, name="eagle3-jax-live-pool", daemon=True)
+            self._thread.start()
+        finally:
+            threading.stack_size(old)
 
     @property
     def running(self) -> int:
