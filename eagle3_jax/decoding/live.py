@@ -162,15 +162,20 @@ class LivePool:
                 self._deliver(events)
                 if stopping:
                     return
-                self._execute(self._scheduler.plan(self._rounds_in_flight()))
-                if self._rounds_in_flight() == 1 and self._queue[-1][0] == "rounds" and len(self._queue) == 1:
+                if not self._scheduler.requests:  # calls dispatched ahead for rows that have all finished
+                    self._queue.clear()
+                    continue
+                in_flight = self._rounds_in_flight()
+                self._execute(self._scheduler.plan(in_flight))
+                if in_flight == 0 and len(self._queue) == 1 and self._queue[0][0] == "rounds":
                     # the call just dispatched is all in flight: the next may go ahead of reading it (the device
                     # then does not idle on the host), as the scheduler decides
                     self._execute(self._scheduler.plan(1))
-                if self._queue:
-                    kind, packed, gamma, owners = self._queue.popleft()
-                    self._events.append(("transfer", tuple(packed.shape)))
-                    self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed)))
+                if not self._queue:  # running requests, and nothing planned for them: they would never finish
+                    raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
+                kind, packed, gamma, owners = self._queue.popleft()
+                self._events.append(("transfer", tuple(packed.shape)))
+                self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed)))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
                 self.error = e
