@@ -15,6 +15,8 @@ Writes tensor_parallel.json under --out.
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 from pathlib import Path
 
@@ -55,7 +57,8 @@ def measure(run: Run, models, target, drafter, batch: int, gamma: int, args) -> 
     dparams_tp = on_mesh(dparams, P(), mesh) if gamma else None
 
     def state():
-        return random_state(models, batch, args.kv_len, capacity, target.params["embed"].dtype, gamma > 0)
+        state = random_state(models, batch, args.kv_len, capacity, target.params["embed"].dtype, gamma > 0)
+        return dataclasses.replace(state, sampling=None)  # the greedy build on a mesh carries no settings
 
     one, one_s = compile_timed(engine_lib.jit_rounds, target.params, dparams, state(), spec=spec,
                                num_rounds=args.rounds_per_call)
