@@ -132,6 +132,14 @@ def check_norm_operands(x, delta, weight) -> None:
         raise ValueError(f"norm weight {weight.shape} does not fit x {x.shape}")
 
 
+def norm_refs(refs, with_delta: bool) -> tuple:
+    """An add + RMSNorm kernel's refs as (x, delta, weight, sum, normed); delta and sum are None without a delta."""
+    if with_delta:
+        return tuple(refs)
+    x_ref, w_ref, normed_ref = refs
+    return x_ref, None, w_ref, None, normed_ref
+
+
 def norm_over_rows(kernel, x, delta, weight):
     """Runs kernel(x [M, D], delta [M, D] or None, weight) on x's rows flattened and returns its outputs in x's
     shape, as (sum, normed); delta None: (x, normed)."""

@@ -29,10 +29,7 @@ from pallas_kernels import _common
 def _kernel(*refs, eps, with_delta):
     # x_ref, delta_ref (with_delta): [D] one row; w_ref: [D]
     # sum_ref (with_delta): [D] x + delta; normed_ref: [D]
-    if with_delta:
-        x_ref, delta_ref, w_ref, sum_ref, normed_ref = refs
-    else:
-        x_ref, w_ref, normed_ref = refs
+    x_ref, delta_ref, w_ref, sum_ref, normed_ref = _common.norm_refs(refs, with_delta)
     D = x_ref.shape[0]
     # Triton vectors have power-of-2 lengths. The columns index the row as an array (a gather that the mask
     # keeps inside it): a static slice wider than the row is refused by jax's bounds check.

@@ -60,10 +60,7 @@ def vector_size(D: int, dtype) -> int:
 
 def _kernel(*refs, eps, with_delta):
     # x_ref, delta_ref (with_delta): [M, D]; w_ref: [D]; sum_ref (with_delta), normed_ref: [M, D]
-    if with_delta:
-        x_ref, delta_ref, w_ref, sum_ref, normed_ref = refs
-    else:
-        x_ref, w_ref, normed_ref = refs
+    x_ref, delta_ref, w_ref, sum_ref, normed_ref = _common.norm_refs(refs, with_delta)
     D = x_ref.shape[1]
     layout = plgpu.Layout.WG_STRIDED((D,), vector_size(D, x_ref.dtype))
     row = lax.axis_index("rows")

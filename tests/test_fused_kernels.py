@@ -29,18 +29,25 @@ def _close(got, want, dtype):
     assert err < TOLERANCE[dtype], err
 
 
-@pytest.mark.parametrize("D", [32, 48, 4096])  # 48: not a power of 2 (masked columns)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_add_rms_norm(D, dtype):
+def _check_norm_kernel(kernel, rows, D, dtype):
+    """kernel(x, delta or None, w, eps, interpret=True) against the XLA op on random rows [*rows, D], with and
+    without a delta: the sum bit for bit, the normed rows within the dtype's tolerance. Returns (x, delta, w)."""
     kx, kd, kw = jax.random.split(jax.random.key(D), 3)
-    x = jax.random.normal(kx, (2, 3, D), jnp.float32).astype(dtype)
-    delta = jax.random.normal(kd, (2, 3, D), jnp.float32).astype(dtype)
+    x = jax.random.normal(kx, (*rows, D), jnp.float32).astype(dtype)
+    delta = jax.random.normal(kd, (*rows, D), jnp.float32).astype(dtype)
     w = (1 + 0.1 * jax.random.normal(kw, (D,), jnp.float32)).astype(dtype)
     for d in (delta, None):
-        got = pallas_add_rms_norm(x, d, w, eps=1e-6, interpret=True)
+        got = kernel(x, d, w, eps=1e-6, interpret=True)
         want = add_rms_norm(x, d, w, 1e-6, "xla")
         np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
         _close(got[1], want[1], dtype)
+    return x, delta, w
+
+
+@pytest.mark.parametrize("D", [32, 48, 4096])  # 48: not a power of 2 (masked columns)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_rms_norm(D, dtype):
+    x, delta, w = _check_norm_kernel(pallas_add_rms_norm, (2, 3), D, dtype)
     with pytest.raises(ValueError, match="does not fit"):
         pallas_add_rms_norm(x, delta[..., :16], w, eps=1e-6)
 
@@ -50,15 +57,7 @@ def test_add_rms_norm(D, dtype):
                                             ((2,), 640, jnp.float16), ((1, 3), 5120, jnp.bfloat16)])
 def test_add_rms_norm_mgpu(rows, D, dtype):
     """In jax's Mosaic GPU interpreter, which starts outputs as NaN: every element written, the sum exact."""
-    kx, kd, kw = jax.random.split(jax.random.key(D), 3)
-    x = jax.random.normal(kx, (*rows, D), jnp.float32).astype(dtype)
-    delta = jax.random.normal(kd, (*rows, D), jnp.float32).astype(dtype)
-    w = (1 + 0.1 * jax.random.normal(kw, (D,), jnp.float32)).astype(dtype)
-    for d in (delta, None):
-        got = add_rms_norm_mgpu(x, d, w, eps=1e-6, interpret=True)
-        want = add_rms_norm(x, d, w, 1e-6, "xla")
-        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
-        _close(got[1], want[1], dtype)
+    _check_norm_kernel(add_rms_norm_mgpu, rows, D, dtype)
 
 
 def test_add_rms_norm_mgpu_refuses_what_it_cannot_take():
