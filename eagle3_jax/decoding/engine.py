@@ -310,14 +310,15 @@ class Engine:
         spec = self._build(template)
         prefill_spec, pool = self._prefill_build(spec), self.max_batch
         params, steps = (self.target.params, self._draft_params), self._steps
-        (row,) = live_plan.request_rows(template, self.max_len)  # the live pool's rows: sampling settings set
-        state = steps.empty(*params, steps.put(row.take([], pool, self.max_len)), spec=prefill_spec)
+        state = steps.empty(*params, steps.put(live_plan.free_rows(template, pool, self.max_len)), spec=prefill_spec)
         lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
                           for n in range(shortest_prompt, longest_prompt + 1)})
         shapes = 0
         for length in lengths:
+            (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature, top_k=top_k),
+                                            self.max_len)
             for rows in admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
-                admission = live_plan.stack([self._dummy_row(length, temperature, top_k)] * rows, rows, self.max_len)
+                admission = live_plan.stack([row] * rows, rows, self.max_len)
                 fresh, _ = steps.prefill(*params, steps.put(admission), spec=prefill_spec)
                 drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
                 state = steps.insert(state, fresh, steps.put(drop))
@@ -330,11 +331,6 @@ class Engine:
         if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
             self.round_costs(pool, 0.0, template)
         return shapes
-
-    def _dummy_row(self, length: int, temperature: float, top_k: int) -> Request:
-        (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature, top_k=top_k),
-                                        self.max_len)
-        return row
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -381,8 +377,7 @@ class Engine:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
-        # the pool's rows as a live pool lays them out (sampling settings set): the executable timed is the one run
-        rows = jax.device_put(live_plan.request_rows(template, self.max_len)[0].take([], batch, self.max_len))
+        rows = jax.device_put(live_plan.free_rows(template, batch, self.max_len))  # the executable a pool runs
         state = jit_empty(self.target.params, self._draft_params, rows, spec=self._prefill_build(spec))
         state = round_costs.timing_pool(state, length, self.target.config.vocab_size, self.max_len)
         return round_costs.time_calls(lambda s: jit_rounds(self.target.params, self._draft_params, s, spec=spec,

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from eagle3_jax.decoding import gamma_policy, slots
-from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row, stack
+from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, free_rows, live_row, stack
 from eagle3_jax.decoding.request import Request
 
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
@@ -204,7 +204,7 @@ class LivePool:
         if step.resize is not None:
             if self._state is None:
                 self._events.append(("allocate", (step.size,)))
-                template = self.check([0], 1).take([], step.size, max_len)
+                template = free_rows(self.check([0], 1), step.size, max_len)
                 spec = engine._prefill_build(engine._build(template)) if self._always_sampling else engine.spec
                 self._state = steps.empty(*params, steps.put(template), spec=spec)
             else:

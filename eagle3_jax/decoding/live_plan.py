@@ -281,6 +281,13 @@ def request_rows(request: Request, max_len: int) -> list[Request]:
     return [_with_settings(request.take([i], 1, max_len)) for i in range(request.num_rows)]
 
 
+def free_rows(template: Request, rows: int, max_len: int) -> Request:
+    """`rows` free slots with the widths of the template's first row (stop ids, prompt bucket), laid out as a live
+    pool lays out its rows: what a pool's state is allocated from, and what timing a call of rounds must use to
+    run the executable the pool runs."""
+    return _with_settings(template.take([0], 1, max_len)).take([], rows, max_len)
+
+
 def _with_settings(row: Request) -> Request:
     """The row with its sampling settings set even when greedy (temperature 0), so that every row of a live pool
     has the same fields."""
