@@ -24,7 +24,7 @@ tokens/s, and at 1 user that against Engine.generate's.
 * one_user_vs_generate: at 1 user, the mean over requests of that decode speed against `Engine.generate`'s
   batch-1 tokens/s on the same prompt and budget, on the same engine in this process (goal: >= 0.95, i.e. HTTP,
   JSON and detokenization cost under 5%).
-512 requests at every level would not fit a device session: at 1 user the workload's 147k output tokens take about
+512 requests at every level make a long run: at 1 user the workload's 147k output tokens take about
 5 minutes at spec "auto"'s 477 tokens/s and 11 at spec off's 216, so the defaults scale the requests with the
 users (--requests).
 """
