@@ -15,9 +15,8 @@ Writes tensor_parallel.json under --out.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
