@@ -308,7 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     srv.add_argument("--max-draft-tokens", type=int, help="with --num-draft-tokens auto: the largest gamma (default 3)")
     srv.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
-    srv.add_argument("--max-batch", type=int, help="slots of the pool (default: as many as fit, at most 256)")
+    srv.add_argument("--max-batch", type=int, help="slots of the pool (default: 256 on a GPU, 8 on the CPU)")
+    srv.add_argument("--kv-tokens", type=int,
+                     help="tokens of paged KV every running request shares (default: 80%% of the GPU's memory after "
+                          "the weights; on the CPU max-batch x max-len)")
+    srv.add_argument("--page-size", type=int, help="tokens per KV page (default: 64)")
     srv.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                      help="the weights' dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     srv.add_argument("--tp", type=int, default=1, help="tensor parallel over this many devices")

@@ -37,12 +37,13 @@ from .core import versions
 
 
 def engines(target, drafter, max_gamma: int, max_len: int, batch: int) -> dict:
-    """Spec-off (gamma 0), each fixed gamma and auto, each with a pool of `batch` slots."""
-    out = {"0": eagle3_jax.Engine(target, max_len=max_len, max_batch=batch)}
+    """Spec-off (gamma 0), each fixed gamma and auto, each with a pool of `batch` slots and KV for all of them
+    (alive together: each holds its own pages)."""
+    kv = dict(max_len=max_len, max_batch=batch, kv_tokens=batch * max_len)
+    out = {"0": eagle3_jax.Engine(target, **kv)}
     for g in range(1, max_gamma + 1):
-        out[str(g)] = eagle3_jax.Engine(target, drafter, num_draft_tokens=g, max_len=max_len, max_batch=batch)
-    out["auto"] = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=max_gamma,
-                                    max_len=max_len, max_batch=batch)
+        out[str(g)] = eagle3_jax.Engine(target, drafter, num_draft_tokens=g, **kv)
+    out["auto"] = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=max_gamma, **kv)
     return out
 
 
@@ -88,10 +89,10 @@ def catch_up(target, drafter, max_len: int, batch: int, length: int) -> dict:
     """What keeping the drafter consistent costs gamma 0: a call of plain rounds that holds its pairs back
     from the drafter, one that then brings the drafter up to date over every held pair (one in FLUSH_CALLS),
     and their mean over a cycle, against the spec-off call (no drafter)."""
-    auto = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, max_len=max_len,
-                             max_batch=batch)
+    kv = dict(max_len=max_len, max_batch=batch, kv_tokens=batch * max_len)
+    auto = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, **kv)
     hold, flush = (auto.time_call(batch, length, 0, flush=f) for f in (False, True))
-    spec_off = eagle3_jax.Engine(target, max_len=max_len, max_batch=batch).time_call(batch, length, 0)
+    spec_off = eagle3_jax.Engine(target, **kv).time_call(batch, length, 0)
     cycle = ((gamma_policy.FLUSH_CALLS - 1) * hold + flush) / gamma_policy.FLUSH_CALLS
     row = {"kv_len": length, "hold_ms": hold * 1e3, "flush_ms": flush * 1e3, "spec_off_ms": spec_off * 1e3,
            "overhead": cycle / spec_off - 1}

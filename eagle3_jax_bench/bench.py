@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                              "and the filters")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
+    parser.add_argument("--variants-at", type=int, nargs=2, action="append", metavar=("BATCH", "KV"),
+                        help="with --variants-only: the breakdown at this batch and KV length (repeatable)")
     parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b",
                         help="the target's shapes: dense Qwen3-8B, or Qwen3-30B-A3B (MoE; eagle3_jax_bench/moe.py)")
     parser.add_argument("--routing", choices=("random", "local"), default=None,
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.variants_only:
         run.ceilings(plan.copy_bytes, plan.matmul_n)
         for choice in kernels:
-            dense.variants(run, s, plan.batches[0], plan.kv_lengths[0], choice)
+            for batch, length in args.variants_at or [(plan.batches[0], plan.kv_lengths[0])]:
+                dense.variants(run, s, batch, length, choice)
     else:
         dense.run_all(run, s, with_peer=not args.no_peer)
     return _finish(run, summary(run.results) + "".join("\n" + line for line in variants_lines(run.results)))
@@ -220,7 +223,7 @@ def variants_lines(results: dict) -> list[str]:
                          f"({groups} ms), wall minus that {step['wall_minus_kernel_sum_ms']:.3f} ms; "
                          "top kernels (launches, us per step):")
             lines += [f"    {us:8.1f} us {count:5.0f}x  {name[:90]}" for name, (count, us) in
-                      list(step["kernels"].items())[:12]]
+                      list(step["kernels"].items())[:24]]
     return lines
 
 

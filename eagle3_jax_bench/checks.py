@@ -57,8 +57,8 @@ def compare(target: Target, prompts, first: list[list[int]], second: list[list[i
 def margin(target: Target, tokens: list[int]) -> float:
     """The target's top-1 minus top-2 logit after `tokens` (XLA path): how near a tie the next token is."""
     cfg, params = target.config, target.params
-    cache = target_lib.new_cache(cfg, 1, len(tokens), params["embed"].dtype)
-    hidden, _, _ = jax.jit(target_lib.forward, static_argnums=(1, 4, 5))(
+    cache = target_lib.new_row_cache(cfg, 1, len(tokens), params["embed"].dtype)
+    hidden, _, _ = jax.jit(target_lib.forward_rows, static_argnums=(1, 4, 5))(
         params, cfg, jnp.asarray([tokens], jnp.int32), cache, (), "xla")
     top = jax.lax.top_k(target_lib.logits(params, hidden[0, -1]), 2)[0]
     return float(top[0] - top[1])

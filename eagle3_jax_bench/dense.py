@@ -323,7 +323,7 @@ def time_parts(target: Target, drafter: Drafter, gamma: int, kv_length: int = 25
     plan = dataclasses.replace(tiny_plan(), target=target.config, drafter=drafter.config, batches=(batch,),
                                kv_lengths=(kv_length,), spec_batches=(batch,), spec_kv_length=kv_length,
                                gammas=(gamma,), reps=reps, inner=inner, copy_bytes=256 << 20)
-    kernels = kernels or kernels_lib.default(target.config.head_dim, drafter.config.head_dim)
+    kernels = kernels or kernels_lib.default()
     run = Run(budget_s=1e9, out=None, filename="")
     s = setup(run, plan, (kernels,), target.params["embed"].dtype, target=target, drafter=drafter)
     if with_floor:

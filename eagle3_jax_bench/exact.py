@@ -157,7 +157,7 @@ def round_section(run: Run, s: Setup, tparams, batches: tuple[int, ...]) -> None
 def verify_logits(params, tokens, cache, *, cfg, capture, kernels):
     """The target's verify step (forward with the drafter's capture layers, then the logits): (cache,
     (logits, features)). The logits, not their argmax, so that tests/test_exact.py can compare bits."""
-    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
+    hidden, cache, features = target_lib.forward_rows(params, cfg, tokens, cache, capture, kernels)
     return cache, (target_lib.logits(params, hidden, kernels), features)
 
 
@@ -277,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                matmul_shapes=tuple(args.matmul_shapes or plan.matmul_shapes))
     # bf16 as served; on the CPU too, since the exact kernels run there in the interpreter.
     dtype = jnp.bfloat16
-    head_dims = (plan.models.target.head_dim,)
-    s = Setup(plan, dtype, kernels_lib.default(*head_dims))
+    s = Setup(plan, dtype, kernels_lib.default())
     run = Run(args.budget_s, Path(args.out), "bench_exact.json")
     run.results.update(versions=versions(), kernels=s.kernels)
     run.results["copy_tbps"] = run.ceilings(plan.models.copy_bytes, matmul_n=None)["copy_tbps"]

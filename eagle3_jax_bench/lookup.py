@@ -112,7 +112,8 @@ def round_seconds(eng: eagle3_jax.Engine, plan: Plan, batch: int, dtype) -> floa
 
 def measure(target, world, plan: Plan, batch: int, proposer, dtype) -> dict:
     prompts = copy_prompts(world, batch, plan.stretch)
-    eng = eagle3_jax.Engine(target, proposer, num_draft_tokens=plan.gamma, max_len=plan.max_len, max_batch=batch)
+    eng = eagle3_jax.Engine(target, proposer, num_draft_tokens=plan.gamma, max_len=plan.max_len, max_batch=batch,
+                            kv_tokens=batch * plan.max_len)
     start = time.perf_counter()
     eng.generate(prompts, 2, progress=False)  # compiles this batch's prefill and call of rounds
     compile_s = time.perf_counter() - start
@@ -145,7 +146,7 @@ def run(plan: Plan) -> dict:
         off = measure(target, world, plan, batch, None, dtype)
         lookup = measure(target, world, plan, batch, eagle3_jax.PromptLookup(), dtype)
         no_search = eagle3_jax.Engine(target, NoSearch(), num_draft_tokens=plan.gamma, max_len=plan.max_len,
-                                      max_batch=batch)
+                                      max_batch=batch, kv_tokens=batch * plan.max_len)
         verify_ms = round_seconds(no_search, plan, batch, dtype) * 1e3
         lookup.update(round_vs_step=lookup["round_ms"] / off["round_ms"],
                       speedup=lookup["tokens_per_s"] / off["tokens_per_s"], verify_ms=verify_ms,

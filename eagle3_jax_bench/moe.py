@@ -152,7 +152,7 @@ def routing(run: Run, s: dense.Setup) -> np.ndarray:
     L = plan.spec_kv_length
     cache = random_cache(t.num_layers, B, t.num_kv_heads, L + T, t.head_dim, L, s.dtype, 3)
     tokens = jax.random.randint(jax.random.key(13), (B, T), 0, t.vocab_size, jnp.int32)
-    ids = jax.jit(target_lib.expert_ids, static_argnums=1)(s.tparams, t, tokens, cache)
+    ids = jax.jit(target_lib.expert_ids, static_argnums=1)(s.tparams, t, tokens, cache.pages, cache.layout(T))
     ids = np.stack([np.asarray(i).reshape(B, T, -1) for i in ids])  # [layers, B, T, k]
     distinct = np.array([[[len(np.unique(ids[:, :b, :n][layer])) for n in range(1, T + 1)]
                           for b in range(1, B + 1)] for layer in range(len(ids))])

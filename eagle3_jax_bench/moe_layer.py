@@ -46,8 +46,8 @@ def _ops(cfg, kernels: str, path: str) -> dict:
         return add_rms_norm(x, x, a["layer"]["mlp_norm"], eps, kernels)[1]
 
     def attention(a, x):
-        return target_lib._attention(a["layer"], cfg, x, a["cos"], a["sin"], a["k"], a["v"], a["start"], kernels,
-                                     None)[0]  # tp None: one device
+        return target_lib.attention_layer(a["layer"], cfg, x, a["cos"], a["sin"], a["k"], a["v"], a["layout"], kernels,
+                                          None)[0]  # tp None: one device
 
     def router_topk(select):
         def op(a, x):
@@ -94,8 +94,9 @@ def layer_ops(run: Run, params: dict, cfg, layers: list[int], kernels: str, reps
     per_layer = []
     for n, i in enumerate(layers):
         ids = jax.random.permutation(jax.random.key(n), E)[:k].reshape(1, k).astype(jnp.int32)
-        per_layer.append({"layer": params["layers"][i], "k": cache.k[n], "v": cache.v[n], "cos": cos, "sin": sin,
-                          "start": cache.lengths, "ids": ids, "weights": jnp.full((1, k), 1.0 / k, dtype)})
+        per_layer.append({"layer": params["layers"][i], "k": cache.pages.k[n], "v": cache.pages.v[n], "cos": cos,
+                          "sin": sin, "layout": cache.layout(1), "ids": ids,
+                          "weights": jnp.full((1, k), 1.0 / k, dtype)})
     reads = _reads(params["layers"][layers[0]], cfg, jnp.dtype(dtype).itemsize)
     x = normal(jax.random.key(3), (1, 1, cfg.hidden_size), dtype)
     applications = REPEAT * len(layers)

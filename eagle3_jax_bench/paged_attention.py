@@ -4,23 +4,19 @@ At Qwen3-8B heads (32 query, 8 KV, head_dim 128), bf16, random data, every seque
 the same number of keys L (its new tokens included):
   decode   one query per sequence, batch x keys x page size (the plan's grid)
   verify   gamma + 1 = 4 queries per sequence, a smaller grid
-  chunk    a prefill chunk of 512 queries after a prefix (batch 1), where the kernel's 64-row tiles
-           meet the contiguous path's FlashAttention-3 kernel (prefill_attention_mgpu): TFLOP/s
-Each row times three ops on the same K/V:
+  chunk    a prefill chunk of 512 queries after a prefix (batch 1): TFLOP/s
+Each row times two ops on the same K/V:
   paged       pallas_kernels.ragged_paged_attention (Mosaic GPU) over pages of the row's size, the
               pages of each sequence in shuffled order over the pool
-  contiguous  today's kernel through the model's entry (eagle3_jax.models.attention.attend with
-              kernels="pallas": pallas_kernels.decode_attention) over [B, K, L, H] caches holding the
-              same keys; once per (batch, keys), reported on every page size's row
   xla         eagle3_jax.models.paged_attention.paged_attention_xla (the path for other GPUs), at the
               smallest page size only
-Two times per op: wall (one jit of `calls` back-to-back calls, each on its own page tables or caches
-so no call is served from L2; median, less an empty jit's dispatch, over calls) and, with
---kernel-times, dev (the GPU kernel time per call from a profiler trace, merge included).
+Two times per op: wall (one jit of `calls` back-to-back calls, each on its own page tables so no call
+is served from L2; median, less an empty jit's dispatch, over calls) and, with --kernel-times, dev
+(the GPU kernel time per call from a profiler trace, merge included).
 Bandwidth counts the K/V bytes a call must read, 2 * B * K * L * H * 2; of_copy divides it by the
-copy rate measured in the same run (core.copy_bandwidth). err: the paged kernel's output against
-the contiguous kernel's (max abs difference over max abs value). The goal (issue 36): of_copy >=
-0.85 from 8k keys, paged within 5% of contiguous at 1k.
+copy rate measured in the same run (core.copy_bandwidth). err: each op's output against the dense
+float32-accumulating reference (pallas_kernels.attention_reference over the same keys; max abs
+difference over max abs value). The goal (issue 36): of_copy >= 0.85 from 8k keys.
 --tunings adds rows for other RaggedPagedConfig fields (default TUNINGS) at the decode shapes of
 --tuning-shapes ([batch, keys, page_size]).
 --dry-run: tiny shapes on the CPU (the kernels in their interpreters, float32), the same code.
@@ -42,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models import attention
 from eagle3_jax.models.paged_attention import paged_attention_xla
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reference import attention_reference
 
 from .core import Run, versions
 from .profile import gpu_kernel_times
@@ -183,19 +179,13 @@ def _rel_err(out, ref) -> float:
 
 def measure_shape(run: Run, plan: Plan, section: str, shape: Shape, pages, tuning: dict, *, overhead: float,
                   reps: int, kernel_times: bool) -> None:
-    """The rows of one (batch, keys, tokens): contiguous once, then paged (and xla) per page size."""
+    """The rows of one (batch, keys, tokens): paged (and xla) per page size, against the dense reference."""
     N, K, H = plan.heads
     B, L, T = shape.batch, shape.keys, shape.tokens
     scale = H**-0.5
     kv_bytes = 2 * B * K * L * H * jnp.dtype(plan.dtype).itemsize
     flops = 4 * N * H * B * sum(L - T + t + 1 for t in range(T))  # QK and PV over each query's visible keys
-    attend = partial(attention.attend, kernels="pallas")
-    try:
-        operands = [(q, *c) for q, c in zip(shape.qs, shape.caches)]
-        contiguous = _timed(lambda q, k, v: attend(q, k, v, shape.start), operands, shape.calls, overhead, reps,
-                            kernel_times)
-    except Exception as e:  # the paged rows still run, without err and the ratio
-        contiguous = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    reference = jax.jit(partial(attention_reference, scale=scale))(shape.qs[0], *shape.caches[0], shape.start)
     kv_lens = jnp.full((B,), L, jnp.int32)
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
     flat_qs = [q.reshape(B * T, N, H) for q in shape.qs]
@@ -216,29 +206,21 @@ def measure_shape(run: Run, plan: Plan, section: str, shape: Shape, pages, tunin
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 continue
             row[name] = found["timing"]
-            if "out" in contiguous:
-                row[f"{name}_err"] = _rel_err(found["out"].reshape(B, T, N, H), contiguous["out"])
+            row[f"{name}_err"] = _rel_err(found["out"].reshape(B, T, N, H), reference)
         del k_pages, v_pages, tables, operands
-        if "error" in contiguous:
-            row["contiguous_error"] = contiguous["error"]
-        else:
-            row["contiguous"] = contiguous["timing"]
-        for name in ("paged", "contiguous", "xla"):
+        for name in ("paged", "xla"):
             for kind in ("us", "dev_us"):
                 if kind in row.get(name, {}):
                     row[name][kind.replace("us", "of_copy")] = kv_bytes / (row[name][kind] * 1e-6) / 1e12 / run.bw
                     row[name][kind.replace("us", "tflops")] = flops / (row[name][kind] * 1e-6) / 1e12
-        if "paged" in row and "contiguous" in row:
-            row["paged_over_contiguous"] = row["paged"]["us"] / row["contiguous"]["us"]
         run.add(section, row)
 
 
 def table(results: dict) -> str:
     """One line per row: wall us (and kernel us) per op, the paged kernel's share of the copy rate
-    (TFLOP/s for chunk rows), paged over contiguous, and the paged kernel's error."""
+    (TFLOP/s for chunk rows), and the paged kernel's error."""
     lines = [f"{'section':7} {'B':>3} {'L':>6} {'T':>3} {'page':>4} | {'paged us':>9} {'dev':>7} {'rate':>7} "
-             f"| {'contig us':>9} {'dev':>7} {'rate':>7} | {'paged/contig':>12} | {'xla us':>9} | {'err':>7} | tuning"
-             "   (rate: of the copy rate; TFLOP/s for chunk rows)"]
+             f"| {'xla us':>9} | {'err':>7} | tuning   (rate: of the copy rate; TFLOP/s for chunk rows)"]
 
     def f(d, k, spec):
         return format(d[k], spec) if k in d else "-"
@@ -246,12 +228,11 @@ def table(results: dict) -> str:
     for section in SECTIONS:
         rate = ("tflops", "7.0f") if section == "chunk" else ("of_copy", "7.0%")
         for r in results.get(section, []):
-            p, c, x = r.get("paged", {}), r.get("contiguous", {}), r.get("xla", {})
+            p, x = r.get("paged", {}), r.get("xla", {})
             lines.append(
                 f"{section:7} {r['batch']:3d} {r['keys']:6d} {r['tokens']:3d} {r['page_size']:4d} | "
                 f"{f(p, 'us', '9.1f')} {f(p, 'dev_us', '7.1f')} {f(p, *rate)} | "
-                f"{f(c, 'us', '9.1f')} {f(c, 'dev_us', '7.1f')} {f(c, *rate)} | "
-                f"{f(r, 'paged_over_contiguous', '12.3f')} | {f(x, 'us', '9.1f')} | {f(r, 'paged_err', '7.1e')} | "
+                f"{f(x, 'us', '9.1f')} | {f(r, 'paged_err', '7.1e')} | "
                 f"{r['tuning'] or ''}" + "".join(f"\n    {k}: {v}" for k, v in r.items() if k.endswith("_error")))
     return "\n".join(lines)
 

@@ -110,7 +110,7 @@ def projection(tau: float, tiny: bool, gamma: int = 3) -> dict:
     """tau x (spec-off step) / (round at gamma), both timed in this process at Qwen3-8B shapes."""
     plan = dense.tiny_plan() if tiny else dense.qwen3_8b_plan()
     length = plan.spec_kv_length
-    kernels = kernels_lib.default(plan.target.head_dim)
+    kernels = kernels_lib.default()
     s = dense.setup(Run(budget_s=1e9, out=None, filename=""), plan, (kernels,), jax.numpy.bfloat16)
     step_s = dense.spec_off(s, 1, length, kernels).seconds
     round_s = dense.spec_rounds(s, 1, gamma, kernels, s.rounds_per_call).seconds

@@ -114,7 +114,7 @@ def engine(w: Worlds, plan: Plan, batch: int, gamma: int, tau: float) -> eagle3_
     """A fixed-gamma engine on the world of `tau` (gamma 0: the target alone), its pool `batch` slots."""
     drafter = w.drafters[tau][1] if gamma else None
     return eagle3_jax.Engine(w.target, drafter, num_draft_tokens=max(gamma, 1), max_len=plan.max_len,
-                             max_batch=batch, rounds_per_call=plan.rounds_per_call)
+                             max_batch=batch, rounds_per_call=plan.rounds_per_call, kv_tokens=batch * plan.max_len)
 
 
 def timed_generate(eng: eagle3_jax.Engine, prompts, new_tokens: int):
@@ -217,7 +217,7 @@ def measure_auto(run: Run, w: Worlds, plan: Plan, batch: int) -> None:
     for tau in plan.taus:
         a, drafter = w.drafters[tau]
         eng = eagle3_jax.Engine(w.target, drafter, num_draft_tokens="auto", max_draft_tokens=G, max_len=plan.max_len,
-                                max_batch=batch, rounds_per_call=plan.rounds_per_call)
+                                max_batch=batch, rounds_per_call=plan.rounds_per_call, kv_tokens=batch * plan.max_len)
         start = time.perf_counter()
         eng.generate(prompts, 2, progress=False)
         eng.round_costs(batch, 0.0)

@@ -3,16 +3,20 @@ size (each chunk one batch, the next chunk waiting for its slowest row), and aga
 throughput of a full batch.
 
     python -m eagle3_jax_bench.pool --out DIR [--model qwen3-8b | demo] [--prompts 512] [--pools 32 64]
-        [--gammas 0 3] [--lengths 128 2048] [--budgets 64 512]
+        [--gammas 0 3] [--lengths 128 2048] [--budgets 64 512] [--max-len N] [--kv-tokens N]
 
 * model: a preset's shapes with random bf16 weights (a random drafter: tau about 1), or `demo`, the shipped
   demo pair in float32 with prompts cut from its held-out corpus files (the standard library's sources).
 * workload: prompt lengths and max_new_tokens drawn uniformly from --lengths and --budgets (seed 0), no stop
   ids, so every run emits the same tokens.
+* engine: --pools slots (max_batch), max_len (--max-len; default the longest prompt and budget and a round's
+  drafts) and the engine's default paged KV (or --kv-tokens), in its default page size.
 * per run: tokens/s (generated tokens over the wall time, prefill and compilation included after one
   warm-up pass of the same workload), time to first token p50/p99 (from the request's start), inter-token
   latency p50/p99 (the gaps between one prompt's chunks: a call's rounds arrive together), peak memory
-  (the device's peak bytes in use where it reports them, else the process's peak RSS; both only grow).
+  (the device's peak bytes in use where it reports them, else the process's peak RSS; both only grow), the
+  most sequences running at once (between a prompt's first chunk and its last) and the sequences the engine
+  preempted (its KV full: recomputed later).
 * steady state: the engine's call of rounds on a full batch from a random state at the workload's mean
   KV length (eagle3_jax_bench/dense.py), tokens/s = batch x tokens per round (tau, from the pool run) over
   its time per round: what a pool could reach if admissions and partly empty batches cost nothing.
@@ -84,7 +88,9 @@ def timed_streams(engine, groups) -> dict:
         offset += len(prompts)
     wall = time.perf_counter() - start
     ms = 1e3
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+    spans = sorted([(t, 1) for t in first] + [(t, -1) for t in last.values()])  # a prompt runs from first to last
+    running = max(np.cumsum([d for _, d in spans]), default=0)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "max_running": int(running),
             "ttft_p50_ms": float(np.percentile(first, 50)) * ms, "ttft_p99_ms": float(np.percentile(first, 99)) * ms,
             "itl_p50_ms": float(np.percentile(gaps, 50)) * ms if gaps else None,
             "itl_p99_ms": float(np.percentile(gaps, 99)) * ms if gaps else None,
@@ -101,9 +107,11 @@ RUNS = ("pool", "fixed_chunks", "steady")
 
 
 def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, max_len: int, setup,
-            runs=RUNS) -> None:
+            runs=RUNS, kv_tokens: int | None = None) -> None:
     engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=max_len,
-                               max_batch=pool)
+                               max_batch=pool, kv_tokens=kv_tokens)
+    run.add("engine", {"pool": pool, "gamma": gamma, "max_len": max_len, "kv_tokens": engine.kv_tokens,
+                       "page_size": engine.page_size})
     chunks = [(prompts[i : i + pool], budgets[i : i + pool]) for i in range(0, len(prompts), pool)]
     if {"pool", "fixed_chunks"} & set(runs):
         start = time.perf_counter()
@@ -113,15 +121,16 @@ def measure(run: Run, target, drafter, prompts, budgets, pool: int, gamma: int, 
     for name, groups in (("pool", [(prompts, budgets)]), ("fixed_chunks", chunks)):
         if name not in runs or not run.time_left(f"{name} pool={pool} gamma={gamma}"):
             continue
+        preempted = engine.preemptions
         with count_compilations() as compiles:
             row = timed_streams(engine, groups)
         run.add("pool", {"run": name, "pool": pool, "gamma": gamma, "prompts": len(prompts), **row,
-                         "compilations": compiles.count})
+                         "compilations": compiles.count, "preemptions": engine.preemptions - preempted})
     if setup is None or "steady" not in runs or not run.time_left(f"steady pool={pool} gamma={gamma}"):
         return
     tau = tau_of(engine, prompts[:pool], budgets[:pool]) if gamma else 1.0
     length = int(np.mean([len(p) for p in prompts]) + np.mean(budgets) / 2)
-    kernels = kernels_lib.default(target.config.head_dim)
+    kernels = kernels_lib.default()
     timed = dense.engine_call(setup, pool, length, max_len, kernels, engine.rounds_per_call, gamma)
     run.add("steady", {"pool": pool, "gamma": gamma, "kv_len": length, "tau": tau,
                        "round_ms": timed.seconds * 1e3, "tokens_per_s": pool * tau / timed.seconds})
@@ -137,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 2048])
     parser.add_argument("--budgets", type=int, nargs=2, default=[64, 512])
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--max-len", type=int, help="the engine's max_len (default: the workload's longest sequence)")
+    parser.add_argument("--kv-tokens", type=int, help="the engine's KV in tokens (default: the engine's default)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="no new measurement starts after this")
     args = parser.parse_args(argv)
     if args.prompts < 1 or min(args.pools) < 1 or min(args.gammas) < 0 or min(args.lengths + args.budgets) < 1:
@@ -156,16 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plan = dense.Plan(*presets.pair(args.model), batches=(), kv_lengths=(), spec_batches=(), spec_kv_length=0,
                           gammas=(), reps=5, inner=5, copy_bytes=0, matmul_n=0)
-        setup = dense.setup(run, plan, (kernels_lib.default(plan.target.head_dim),), jax.numpy.bfloat16)
+        setup = dense.setup(run, plan, (kernels_lib.default(),), jax.numpy.bfloat16)
         target, drafter = setup.target, setup.drafter
         prompts, budgets = random_workload(args.prompts, tuple(args.lengths), tuple(args.budgets),
                                            target.config.vocab_size)
-    max_len = args.lengths[1] + args.budgets[1] + max(args.gammas) + 2
+    max_len = args.max_len or args.lengths[1] + args.budgets[1] + max(args.gammas) + 2
     run.record("workload", {"model": args.model, "prompts": len(prompts), "lengths": args.lengths,
                             "budgets": args.budgets, "max_len": max_len, "tokens_to_generate": int(sum(budgets))})
     for gamma in args.gammas:
         for pool in args.pools:
-            measure(run, target, drafter, prompts, budgets, pool, gamma, max_len, setup, args.runs)
+            measure(run, target, drafter, prompts, budgets, pool, gamma, max_len, setup, args.runs, args.kv_tokens)
     print(json.dumps(run.results, indent=1, default=str))
     return 0
 

@@ -39,7 +39,7 @@ def gpu_kernel_times(run, reps: int = 2) -> dict[str, list]:
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("matmuls", ("gemm", "cublas", "dot")),
     ("attention", ("attention",)),
-    ("fused norm / rope / cache write", ("add_rms_norm", "rope_cache_write")),
+    ("fused norm", ("add_rms_norm",)),
 )
 
 

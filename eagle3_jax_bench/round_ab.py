@@ -19,6 +19,7 @@ tree's over the first's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -44,8 +45,11 @@ def child(model: str, batches: list[int], gamma: int, dtype: str, kv_length: int
     drafter = planted_world.planted_drafter(dcfg, world, 0.5, jnp.dtype(dtype))
     jax.block_until_ready((target.params, drafter.params))
     max_len = kv_length + 256
+    # Both engines are alive together: a paged engine takes KV for its slots (its default would fill the device).
+    paged = "kv_tokens" in inspect.signature(eagle3_jax.Engine).parameters
+    kv = {"kv_tokens": max(batches) * max_len} if paged else {}
     engines = {g: eagle3_jax.Engine(target, drafter if g else None, num_draft_tokens=g or 3, max_len=max_len,
-                                    max_batch=max(batches)) for g in (gamma, 0)}
+                                    max_batch=max(batches), **kv) for g in (gamma, 0)}
     rows = {}
     for batch in batches:
         for g, eng in engines.items():

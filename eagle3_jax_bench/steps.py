@@ -37,28 +37,29 @@ def jit_step(fn, num_args, **static):
 
 
 def target_step(params, tokens, cache, *, cfg, capture, kernels):
-    hidden, cache, features = target_lib.forward(params, cfg, tokens, cache, capture, kernels)
+    hidden, cache, features = target_lib.forward_rows(params, cfg, tokens, cache, capture, kernels)
     return cache, (jnp.argmax(target_lib.logits(params, hidden, kernels), -1), features)
 
 
 def draft_step(params, embed, h, token, cache, *, cfg, kernels):
-    out, cache = drafter_lib.forward(params, cfg, embed, h[:, None], token[:, None], cache, kernels)
+    out, cache = drafter_lib.forward_rows(params, cfg, embed, h[:, None], token[:, None], cache, kernels)
     return cache, drafter_lib.draft_token(params, cfg, out[:, 0])
 
 
 def rebuild_step(params, embed, features, tokens, cache, *, cfg, kernels):
     h = drafter_lib.project_features(params, cfg, features)
-    out, cache = drafter_lib.forward(params, cfg, embed, h, tokens, cache, kernels)
+    out, cache = drafter_lib.forward_rows(params, cfg, embed, h, tokens, cache, kernels)
     return cache, out[:, -1]
 
 
 def chain_step(params, embed, h, cache, *, cfg, gamma, kernels):
-    drafts, cache = drafter_lib.draft_chain(params, cfg, embed, h, cache, gamma, kernels)
-    return cache, drafts
+    drafts, pages = drafter_lib.draft_chain(params, cfg, embed, h, cache.pages, cache.table, cache.lengths, gamma,
+                                            kernels)
+    return cache.written(pages), drafts
 
 
 def forward_only(params, tokens, cache, *, cfg, kernels):
-    hidden, cache, _ = target_lib.forward(params, cfg, tokens, cache, (), kernels)
+    hidden, cache, _ = target_lib.forward_rows(params, cfg, tokens, cache, (), kernels)
     return cache, hidden
 
 

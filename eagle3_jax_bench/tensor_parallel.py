@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--allreduce-mb", type=int, default=256, help="--tp > 1: the all-reduce-rate probe's size")
     args = parser.parse_args(argv)
     models = presets.pair(args.model)
-    args.kernels = kernels_lib.default(models[0].head_dim, models[1].head_dim)
+    args.kernels = kernels_lib.default()
     run = Run(args.budget_s, args.out, "tensor_parallel.json")
     run.record("versions", versions())
     if args.tp > 1:

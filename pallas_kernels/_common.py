@@ -1,16 +1,15 @@
-"""Pieces shared by the decode and prefill kernels: rows and softmax steps.
+"""Pieces shared by the kernels: attention rows and softmax steps (invariant_attention.py), shape checks, and the
+add + RMSNorm kernels' operands.
 
-Rows: each kernel program owns one KV head h and a tile of "rows", where row
+Rows: an attention program owns one KV head h and a tile of "rows", where row
 r = t * G + g is query token t of query head h * G + g (G = N // K). Grouping
 all G heads of a KV head into the rows of one tile is what lets a program read
 that head's K/V once for all of them; the token of row r is r // G, which the
-causal mask needs. Rows are gathered straight from q's [T, G, H] block and
-scattered into the output's, so no transpose runs outside the kernel.
+causal mask needs. Rows are gathered straight from q's [T, G, H] block.
 """
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 # Running max before any key is seen. Finite on purpose: a row whose keys are
@@ -32,15 +31,6 @@ def gather_rows(q_ref, rows):
     T, G, H = q_ref.shape
     t = token_of(rows, T, G)
     return q_ref[t[:, None], (rows % G)[:, None], jnp.arange(H)[None, :]]
-
-
-def scatter_rows(o_ref, rows, value):
-    """Stores value [M, H] into o_ref [T, G, H] at the rows r < T * G."""
-    T, G, H = o_ref.shape
-    # Padding rows index past T and are masked off; they must not be clamped
-    # onto real rows (interpret mode would then write the slot twice).
-    window = o_ref.at[(rows // G)[:, None], (rows % G)[:, None], jnp.arange(H)[None, :]]
-    pltriton.store(window, value.astype(o_ref.dtype), mask=(rows < T * G)[:, None])
 
 
 def token_of(rows, num_tokens, group):
@@ -82,32 +72,6 @@ def qk_logits(q, k, scale: float):
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def masked_kv_step(q, k_ref, v_ref, i, carry, *, block_k, length, last_key, scale):
-    """Step over KV block i where some keys are hidden from some rows.
-
-    q: [M, H]; k_ref, v_ref: [S, H]; length: keys in use (start + T clamped to
-    S); last_key: [M] last key position each row sees. Keys >= length are never
-    loaded (masked loads return 0), so garbage or out-of-bounds slots cost no
-    bandwidth and NaN garbage cannot leak through 0 * NaN.
-    """
-    keys = i * block_k + jnp.arange(block_k)  # [bk]
-    in_use = keys < length
-    window = pl.ds(i * block_k, block_k)
-    k = pltriton.load(k_ref.at[window, :], mask=in_use[:, None], other=jnp.zeros((), k_ref.dtype))
-    v = pltriton.load(v_ref.at[window, :], mask=in_use[:, None], other=jnp.zeros((), v_ref.dtype))
-    visible = (keys[None, :] <= last_key[:, None]) & in_use[None, :]
-    return online_softmax_step(carry, qk_logits(q, k, scale), v, visible)
-
-
-def full_kv_step(q, k_ref, v_ref, i, carry, *, block_k, scale):
-    """Step over KV block i where every key is in use and seen by every row."""
-    window = pl.ds(i * block_k, block_k)
-    # pltriton.load rather than k_ref[window]: same Triton IR, but interpret
-    # mode then pads a window that overhangs a short cache instead of failing.
-    k, v = pltriton.load(k_ref.at[window, :]), pltriton.load(v_ref.at[window, :])
-    return online_softmax_step(carry, qk_logits(q, k, scale), v)
 
 
 def check_shapes(q, k_cache, v_cache, start):

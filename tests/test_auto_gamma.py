@@ -113,7 +113,7 @@ class FakeDevice:
 
 def test_costs_are_measured_once_cached_reloaded_and_remeasured_when_stale(tmp_path):
     lengths = round_costs.grid_lengths(128, round_costs.margin(4, 2))
-    assert lengths == [8, 64, 79] and round_costs.margin(4, 2) == 49  # 4 calls of 4 rounds of 3 tokens, and 1
+    assert lengths == [8, 64, 115] and round_costs.margin(4, 2) == 13  # a call of 4 rounds of 3 tokens, and 1
     device = FakeDevice()
     costs = round_costs.RoundCosts("k", tmp_path, lengths, 3)
     assert costs.seconds(2, 36.0, device) == pytest.approx([2 * (1 + g + 0.36) for g in range(3)])

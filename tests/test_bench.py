@@ -65,8 +65,8 @@ def test_compare_reports_the_first_difference_and_its_margin(tmp_path):
         {"identical": False, "tokens": 3, "first_difference": 2, "margin": checks.margin(target, [1, 2, 5, 6])}]
     assert checks.compare(target, [[1]], [[4, 4]], [[4, 4]]) == [{"identical": True, "tokens": 2}]
     tokens = [3, 1, 4, 1, 5]
-    cache = target_lib.new_cache(s.plan.target, 1, 5, jnp.float32)
-    hidden, _, _ = target_lib.forward(s.tparams, s.plan.target, jnp.asarray([tokens]), cache)
+    cache = target_lib.new_row_cache(s.plan.target, 1, 5, jnp.float32)
+    hidden, _, _ = target_lib.forward_rows(s.tparams, s.plan.target, jnp.asarray([tokens]), cache)
     logits = np.sort(np.asarray(target_lib.logits(s.tparams, hidden[0, -1])))
     assert abs(checks.margin(target, tokens) - (logits[-1] - logits[-2])) < 1e-6
 
@@ -88,11 +88,9 @@ def test_count_compilations_counts_backend_compiles():
 
 def test_kernel_groups_sort_a_profile_by_kind():
     """The step profile's summary: kernel names as XLA and our Pallas calls name them."""
-    times = {"gemm_fusion_dot_147": [36, 1700.0], "decode_attention": [36, 160.0], "decode_attention_merge": [36, 60.0],
-             "add_rms_norm__1": [72, 160.0], "rope_cache_write": [36, 90.0], "loop_reduce_fusion_106": [72, 80.0],
-             "input_reduce_fusion_2": [36, 1650.0]}  # a batch-1 matvec, 46 us a launch
-    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 220.0,
-                                            "fused norm / rope / cache write": 250.0,
+    times = {"gemm_fusion_dot_147": [36, 1700.0], "ragged_paged_attention": [36, 160.0], "add_rms_norm__1": [72, 160.0],
+             "loop_reduce_fusion_106": [72, 80.0], "input_reduce_fusion_2": [36, 1650.0]}  # a batch-1 matvec
+    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 160.0, "fused norm": 160.0,
                                             "other (small XLA fusions)": 80.0}
     assert profile.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
 

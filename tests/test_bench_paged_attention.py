@@ -1,6 +1,6 @@
 """eagle3_jax_bench/paged_attention.py in its dry run (tiny shapes, float32, the kernels in their CPU
-interpreters): every section writes its rows, each paged result matches the contiguous kernel's on the
-same keys, and the table prints. Times are not asserted: speed is measured on the GPU."""
+interpreters): every section writes its rows, each paged result matches the dense reference on the same keys,
+and the table prints. Times are not asserted: speed is measured on the GPU."""
 
 import json
 
@@ -24,11 +24,11 @@ def test_paged_attention_bench_dry_run(tmp_path, capsys):
         for r in results[section]:
             assert not any(k.endswith("_error") for k in r), r
             assert r["paged_err"] < 1e-5 and r["paged"]["us"] > 0 and r["paged"]["of_copy"] > 0
-            assert r["contiguous"]["us"] > 0 and r["paged_over_contiguous"] > 0 and r["paged"]["tflops"] > 0
+            assert r["paged"]["tflops"] > 0 and "contiguous" not in r
             assert ("xla" in r) == (section != "tuning")  # the XLA path at the first page size, untuned rows
             assert section == "tuning" or r["xla_err"] < 1e-5
     assert results["tuning"][0]["tuning"] == {"block_kv": 64, "num_splits": 2}
-    assert "paged/contig" in capsys.readouterr().out
+    assert "paged us" in capsys.readouterr().out
 
 
 def test_page_pool_holds_each_calls_keys_in_shuffled_pages():

@@ -49,8 +49,8 @@ def test_shipped_target_matches_transformers(pair, demo_prompts):
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].numpy()
         hf_greedy = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
-    cache = qwen3.new_cache(target.config, 1, len(ids), jnp.float32)
-    hidden, _, _ = qwen3.forward(target.params, target.config, jnp.asarray([ids]), cache)
+    cache = qwen3.new_row_cache(target.config, 1, len(ids), jnp.float32)
+    hidden, _, _ = qwen3.forward_rows(target.params, target.config, jnp.asarray([ids]), cache)
     ours = np.asarray(qwen3.logits(target.params, hidden))[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4 * np.abs(theirs).max())
     assert eagle3_jax.Engine(target, max_len=128).generate([ids], 16)[0].token_ids == hf_greedy

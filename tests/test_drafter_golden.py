@@ -90,9 +90,9 @@ def run_extend(drafter, target, features, tokens, capacity=32):
     cfg, params = drafter.config, drafter.params
     embed = params.get("embed", target.params["embed"])
     B = tokens.shape[0]
-    cache = drafter_lib.new_cache(cfg, B, capacity, jnp.float32)
+    cache = drafter_lib.new_row_cache(cfg, B, capacity, jnp.float32)
     h = drafter_lib.project_features(params, cfg, jnp.asarray(features.numpy()))
-    out, cache = drafter_lib.forward(params, cfg, embed, h, jnp.asarray(tokens.numpy(), jnp.int32), cache, "xla")
+    out, cache = drafter_lib.forward_rows(params, cfg, embed, h, jnp.asarray(tokens.numpy(), jnp.int32), cache, "xla")
     return out, cache.with_lengths(jnp.full((B,), tokens.shape[1], jnp.int32)), embed
 
 
@@ -111,7 +111,8 @@ def test_draft_chain_matches_reference(case, gamma):
     spec, state, embed, target, drafter, which = case
     features, tokens = inputs(spec, seed=7)
     out, cache, embed_j = run_extend(drafter, target, features, tokens)
-    drafts, _ = drafter_lib.draft_chain(drafter.params, drafter.config, embed_j, out[:, -1], cache, gamma, "xla")
+    drafts, _ = drafter_lib.draft_chain(drafter.params, drafter.config, embed_j, out[:, -1], cache.pages, cache.table,
+                                        cache.lengths, gamma, "xla")
     ref = oracle.reference_chain(state, spec, embed, features, tokens, gamma, oracle=which)
     assert float(ref.margins.min()) > 1e-3, "argmax too close to call; pick another seed"
     np.testing.assert_array_equal(np.asarray(drafts), ref.draft_ids.numpy())
@@ -122,8 +123,8 @@ def test_draft_chain_matches_reference(case, gamma):
         tok = drafts[:, k]
         if k + 1 < gamma:
             h_in = drafter_lib.carried(drafter.params, drafter.config, carry)
-            carry, cache = drafter_lib.forward(drafter.params, drafter.config, embed_j, h_in[:, None], tok[:, None],
-                                               cache, "xla")
+            carry, cache = drafter_lib.forward_rows(drafter.params, drafter.config, embed_j, h_in[:, None],
+                                                    tok[:, None], cache, "xla")
             carry = carry[:, 0]
             cache = cache.with_lengths(cache.lengths + 1)
     for k in range(gamma):

@@ -1,19 +1,19 @@
 """The fused Pallas kernels (interpret mode: Pallas' for the Triton kernels, jax's Mosaic GPU interpreter for
-add_rms_norm_mgpu) against the plain-jnp ops they replace (eagle3_jax.models.layers / attention with
-kernels="xla"), and their lowering for CUDA on this host. Random inputs; interpret mode starts outputs as
-NaN, so a finite output was fully written; cache slots the kernel must not touch hold NaN or random
-data and must come back bit for bit."""
+add_rms_norm_mgpu) against the plain-jnp ops they replace (eagle3_jax.models.layers, and the XLA path of
+eagle3_jax.models.paged_attention.attention_block), and their lowering for CUDA on this host. Random inputs;
+interpret mode starts outputs as NaN, so a finite output was fully written; page slots the kernel must not touch
+hold NaN or random data and must come back bit for bit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle3_jax.models import layers
-from eagle3_jax.models.attention import rotate_and_cache
+from eagle3_jax.models import kv_cache, layers
 from eagle3_jax.models.layers import add_rms_norm, norm_lowering
+from eagle3_jax.models.paged_attention import write_pages
 from pallas_kernels import add_rms_norm as pallas_add_rms_norm
-from pallas_kernels import add_rms_norm_mgpu, rope_cache_write
+from pallas_kernels import add_rms_norm_mgpu, rope_page_write
 from pallas_kernels.add_rms_norm_mgpu import vector_size
 
 from cuda_lowering import lower_for_cuda
@@ -99,16 +99,19 @@ def test_norm_lowering(monkeypatch):
         assert norm_lowering(x, x, w, kernels, on_hopper=False) == "xla"
 
 
-def _qkv_inputs(dtype, B=2, T=3, N=6, K=2, H=16, S=8):
-    ks = jax.random.split(jax.random.key(T * 10 + N), 6)
-    qkv = jax.random.normal(ks[0], (B, T, (N + 2 * K) * H), jnp.float32).astype(dtype)
-    angles = jax.random.uniform(ks[1], (B, T, H // 2), maxval=6.0)
+def _page_inputs(dtype, N, K, H=16, page_size=8):
+    """A batch of 2 rows x 3 tokens: row 0 at positions 6-8 (across the edge of its first page), row 1 at 14-16,
+    whose first two tokens' page is unallocated (-1: dropped); a page no token writes holds NaN."""
+    ks = jax.random.split(jax.random.key(N * 10 + K), 5)
+    qkv = jax.random.normal(ks[0], (2, 3, (N + 2 * K) * H), jnp.float32).astype(dtype)
+    angles = jax.random.uniform(ks[1], (2, 3, H // 2), maxval=6.0)
     angles = jnp.concatenate([angles, angles], axis=-1)  # as rope_tables builds them
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    k_cache = jax.random.normal(ks[2], (B, K, S, H), jnp.float32).astype(dtype)
-    v_cache = k_cache.at[:, :, -1].set(jnp.nan)  # a poisoned slot nothing writes in row 0
-    norms = [(1 + 0.1 * jax.random.normal(k, (H,), jnp.float32)).astype(dtype) for k in ks[4:]]
-    return qkv, cos, sin, k_cache, v_cache, norms
+    pages = jax.random.normal(ks[2], (K, 6, page_size, H), jnp.float32).astype(dtype).at[:, 4].set(jnp.nan)
+    norms = [(1 + 0.1 * jax.random.normal(k, (H,), jnp.float32)).astype(dtype) for k in ks[3:]]
+    table = jnp.array([[2, 0, 5], [3, -1, 1]], jnp.int32)
+    layout = kv_cache.Layout.uniform(table, jnp.array([6, 14], jnp.int32), 3)
+    return qkv, cos, sin, pages, norms, layout
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -116,31 +119,45 @@ def _qkv_inputs(dtype, B=2, T=3, N=6, K=2, H=16, S=8):
 # Programs hold 8 heads: (6, 2) straddles q/k in the first program and leaves a partial second one; (6, 3)
 # straddles k/v; (4, 1) has q, k and v in one partial program; (8, 8) puts k and v in later programs.
 @pytest.mark.parametrize("N,K", [(6, 2), (6, 3), (4, 1), (8, 8), (12, 2)])  # (12, 2): q heads in a later program
-def test_rope_cache_write(dtype, with_norms, N, K):
-    qkv, cos, sin, k_cache, v_cache, (q_norm, k_norm) = _qkv_inputs(dtype, N=N, K=K)
-    S = k_cache.shape[2]
-    start = jnp.array([2, S - 2], jnp.int32)  # row 1's third token falls past capacity: dropped
+def test_rope_page_write(dtype, with_norms, N, K):
+    qkv, cos, sin, pages, (q_norm, k_norm), layout = _page_inputs(dtype, N, K)
     norms = dict(q_norm=q_norm, k_norm=k_norm) if with_norms else dict(q_norm=None, k_norm=None)
-    want = rotate_and_cache(qkv, cos, sin, k_cache, v_cache, start, num_heads=N, eps=1e-6, kernels="xla", **norms)
-    got = rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=N, eps=1e-6, interpret=True, **norms)
-    _close(got[0], want[0], dtype)
-    for g, w in zip(got[1:], want[1:]):
+    want_q, want_k, want_v = _xla_rope_write(qkv, cos, sin, pages, layout, N, norms)
+    got = rope_page_write(qkv.reshape(6, -1), cos.reshape(6, -1), sin.reshape(6, -1), pages, pages,
+                          layout.page_table, layout.seq, layout.write_positions, num_heads=N, eps=1e-6,
+                          interpret=True, **norms)
+    _close(got[0].reshape(want_q.shape), want_q, dtype)
+    for g, w in zip(got[1:], (want_k, want_v)):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         written = np.zeros(w.shape, bool)
-        written[0, :, 2:5] = written[1, :, S - 2 :] = True
+        written[:, 2, 6:] = written[:, 0, 0] = written[:, 1, 0] = True  # row 1's tokens at 14, 15: no page
         np.testing.assert_array_equal(g[~written], w[~written])  # untouched, NaN included
         _close(g[written], w[written], dtype)
 
 
-def test_rope_cache_write_refuses_what_does_not_fit():
-    qkv, cos, sin, k_cache, v_cache, (q_norm, _) = _qkv_inputs(jnp.float32)
-    start = jnp.zeros((2,), jnp.int32)
+def _xla_rope_write(qkv, cos, sin, pages, layout, N, norms):
+    """The q/k norm, RoPE and page write in XLA, as the XLA path runs them (layers, paged_attention.write_pages)."""
+    B, T, _ = qkv.shape
+    K, H = pages.shape[0], pages.shape[3]
+    q, k, v = jnp.split(qkv.reshape(B, T, N + 2 * K, H), [N, N + K], axis=2)
+    if norms["q_norm"] is not None:
+        q, k = layers.rms_norm(q, norms["q_norm"], 1e-6), layers.rms_norm(k, norms["k_norm"], 1e-6)
+    q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    k_pages, v_pages = write_pages(pages, pages, layout.page_table, layout.seq, layout.write_positions,
+                                   k.reshape(B * T, K, H), v.reshape(B * T, K, H))
+    return q.reshape(B * T, N, H), k_pages, v_pages
+
+
+def test_rope_page_write_refuses_what_does_not_fit():
+    qkv, cos, sin, pages, (q_norm, _), layout = _page_inputs(jnp.float32, 6, 2)
+    flat = qkv.reshape(6, -1), cos.reshape(6, -1), sin.reshape(6, -1)
+    args = (pages, pages, layout.page_table, layout.seq, layout.write_positions)
     with pytest.raises(ValueError, match="does not fit"):
-        rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=5)
+        rope_page_write(*flat, *args, num_heads=5)
     with pytest.raises(ValueError, match="both"):
-        rope_cache_write(qkv, cos, sin, k_cache, v_cache, start, num_heads=6, q_norm=q_norm)
+        rope_page_write(*flat, *args, num_heads=6, q_norm=q_norm)
     with pytest.raises(ValueError, match="cos"):
-        rope_cache_write(qkv, cos[:, :1], sin, k_cache, v_cache, start, num_heads=6)
+        rope_page_write(flat[0], flat[1][:1], flat[2], *args, num_heads=6)
 
 
 @pytest.mark.parametrize("D", [4096, 5120])  # Qwen3-8B, Qwen3-32B
@@ -159,13 +176,14 @@ def test_add_rms_norm_mgpu_lowers_for_cuda(D, with_delta):
 
 
 def test_fused_kernels_lower_to_triton():
-    """The Triton lowering runs on a CPU too: catches ops the GPU backend lacks, at Qwen3-8B shapes
-    (and a hidden size that is not a power of 2)."""
+    """The Triton lowering runs on a CPU too: catches ops the GPU backend lacks, at Qwen3-8B shapes (and a hidden
+    size that is not a power of 2)."""
     bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     norm = jax.jit(lambda x, d, w: pallas_add_rms_norm(x, d, w, eps=1e-6))
     assert "add_rms_norm" in lower_for_cuda(norm, bf16(1, 4, 5120), bf16(1, 4, 5120), bf16(5120))
-    rope = jax.jit(lambda qkv, c, s, k, v, st, qn, kn: rope_cache_write(qkv, c, s, k, v, st, num_heads=32,
-                                                                        q_norm=qn, k_norm=kn))
-    args = (bf16(1, 4, 6144), bf16(1, 4, 128), bf16(1, 4, 128), bf16(1, 8, 1088, 128), bf16(1, 8, 1088, 128),
-            jax.ShapeDtypeStruct((1,), jnp.int32), bf16(128), bf16(128))
-    assert "rope_cache_write" in lower_for_cuda(rope, *args)
+    rope = jax.jit(lambda qkv, c, s, k, v, table, seq, pos, qn, kn: rope_page_write(
+        qkv, c, s, k, v, table, seq, pos, num_heads=32, q_norm=qn, k_norm=kn))
+    args = (bf16(4, 6144), bf16(4, 128), bf16(4, 128), bf16(8, 1001, 64, 128), bf16(8, 1001, 64, 128), i32(1, 21),
+            i32(4), i32(4), bf16(128), bf16(128))
+    assert "rope_page_write" in lower_for_cuda(rope, *args)

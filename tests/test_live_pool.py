@@ -16,6 +16,7 @@ import eagle3_jax
 from eagle3_jax.decoding import gamma_policy
 from eagle3_jax.decoding.live import LivePool
 from eagle3_jax.decoding.live_plan import LiveScheduler, live_row, pool_size
+from eagle3_jax.decoding.page_pool import PagePool
 
 import spec_worlds as worlds
 
@@ -103,8 +104,13 @@ def test_prompt_lookup_under_auto_gamma_through_the_live_pool(world):
 def test_abort_frees_the_slot_at_once_and_settings_share_the_pool(world):
     target, drafter = world
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=1)
+    # The outputs alone first: a pool holds its engine's pages, so the engine runs nothing else meanwhile.
+    (want,) = engine.generate([PROMPTS[1]], 10, temperature=0.9, top_p=0.8, seed=7)
+    (plain,) = engine.generate([PROMPTS[3]], 10)
     pool = LivePool(engine)
     try:
+        with pytest.raises(RuntimeError, match="the engine's KV pages are in use by another pool"):
+            engine.generate([PROMPTS[3]], 10)
         long = Collector()
         long_id = pool.submit(pool.check(PROMPTS[0], 60), long)
         assert long.first.wait(120)
@@ -113,17 +119,16 @@ def test_abort_frees_the_slot_at_once_and_settings_share_the_pool(world):
         pool.abort(long_id)
         assert long.wait() == "abort" and len(long.tokens) < 60
         seeded.wait()
-        (want,) = engine.generate([PROMPTS[1]], 10, temperature=0.9, top_p=0.8, seed=7)
         assert seeded.tokens == want.token_ids
         pool.abort(long_id)  # already gone: nothing happens
         stopped = Collector()  # a greedy row after a sampled one, with a stop id from its own output
-        (plain,) = engine.generate([PROMPTS[3]], 10)
         pool.submit(pool.check(PROMPTS[3], 10, [plain.token_ids[4]]), stopped)
         assert stopped.wait() == "stop" and stopped.tokens == plain.token_ids[: plain.token_ids.index(
             plain.token_ids[4]) + 1]
         assert pool.running == 0
     finally:
         pool.close()
+    assert engine.page_pool.free == engine.page_pool.num_pages
 
 
 def test_auto_gamma_runs_one_policy_over_the_pool(world):
@@ -176,10 +181,16 @@ def packed(gamma, rows):
     return out
 
 
+def new_scheduler(max_batch: int, pages: int = 64, **options) -> LiveScheduler:
+    """A scheduler of max_len 64, 2 rounds a call of gamma 1, over `pages` pages of 8."""
+    return LiveScheduler(max_batch=max_batch, max_len=64, prefill_tokens=64, rounds_per_call=2,
+                         policy=gamma_policy.Fixed(1), speculative=True, pages=PagePool(pages, 8, lambda: None),
+                         width=9, max_gamma=1, **options)
+
+
 def test_each_step_is_decided_as_data():
     """Admission, release, resize and the call of rounds, as the scheduler decides them, without a device."""
-    scheduler = LiveScheduler(max_batch=4, max_len=64, prefill_tokens=64, rounds_per_call=2,
-                              policy=gamma_policy.Fixed(1), speculative=True)
+    scheduler = new_scheduler(4)
 
     def row(n, budget):
         return live_row([1] * n, budget, [9], max_len=64, vocab_size=48, stop_width=4)
@@ -222,8 +233,7 @@ def test_each_step_is_decided_as_data():
 def test_while_requests_wait_a_call_goes_ahead_only_when_every_running_row_needs_it():
     """A pool of max_batch 2, full, with a third request waiting and a call in flight: no call ahead while a row
     could finish in that call (its slot would sit idle through one more call), one when neither can."""
-    scheduler = LiveScheduler(max_batch=2, max_len=64, prefill_tokens=64, rounds_per_call=2,
-                              policy=gamma_policy.Fixed(1), speculative=True, shrink=False)
+    scheduler = new_scheduler(2, shrink=False)
     for i in range(3):
         scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
     assert scheduler.plan(rounds_in_flight=0).size == 2 and list(scheduler.waiting) == [2]
@@ -239,14 +249,48 @@ def test_a_pool_that_does_not_shrink_keeps_its_size():
     """Engine.generate's pool (shrink=False): one row left of four keeps the pool of four (its tail compiles no
     smaller pool), where a live pool shrinks to one."""
     for shrink, size in ((False, 4), (True, 1)):
-        scheduler = LiveScheduler(max_batch=4, max_len=64, prefill_tokens=64, rounds_per_call=2,
-                                  policy=gamma_policy.Fixed(1), speculative=True, shrink=shrink)
+        scheduler = new_scheduler(4, shrink=shrink)
         for i in range(4):
             scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
         assert scheduler.plan(rounds_in_flight=0).size == 4
         for i in range(3):
             scheduler.abort(i)
         assert scheduler.plan(rounds_in_flight=0).size == size
+
+
+def test_pages_as_data_allocation_preemption_and_recompute():
+    """Pages, as the scheduler hands them out: an admission takes its prompt's; before a call every running row
+    gets what the call may write (2 rounds of gamma 1: 4 positions); when they are not free the call waits for
+    what is in flight, then the youngest row is preempted, waits first in line and comes back as a recompute of
+    its tokens but the newest (which is its resume token); a finished row's pages are back at once."""
+    scheduler = new_scheduler(2, pages=4)  # 32 tokens of KV
+    for i, n in enumerate((12, 6)):
+        scheduler.add(i, live_row([1] * n, 40, [], max_len=64, vocab_size=48, stop_width=1))
+    step = scheduler.plan(rounds_in_flight=0)
+    (admission,) = step.admissions
+    # prompts of 12 and 6 tokens: 2 and 1 pages, then the call's 4 positions: row 1 needs its second page
+    assert [live.pages for live in scheduler.requests.values()] == [[0, 1], [2, 3]]
+    assert admission.page_table[:, :2].tolist() == [[0, 1], [2, -1]] and admission.resume_token.tolist() == [-1, -1]
+    assert step.page_table[:, :2].tolist() == [[0, 1], [2, 3]] and scheduler.pages.free == 0
+    scheduler.read("admit", 1, np.array([0, 1]), packed(1, [([5], 0, 0), ([5], 0, 0)]))
+    rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 7], 1, 0)])] * 2)
+    scheduler.read("rounds", 1, scheduler.owner.copy(), rounds)
+    # 17 and 11 tokens now (16 and 10 committed): the next call needs a third page for row 0, none is free: with a
+    # call in flight it waits; with nothing in flight row 1, the younger, is preempted
+    assert scheduler.plan(rounds_in_flight=1, idle=False).rounds is None and scheduler.preemptions == 0
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.preempt == (1,) and step.rounds == gamma_policy.Call(1) and scheduler.preemptions == 1
+    assert list(scheduler.waiting) == [1] and scheduler.requests[0].pages == [0, 1, 2]
+    # row 0 finishes: its pages are back, and row 1 is recomputed: its prompt and tokens but the newest
+    scheduler.read("rounds", 1, scheduler.owner.copy(), np.stack([packed(1, [([8], 0, 1), ([], 0, 1)])] * 2))
+    assert scheduler.pages.free == 4
+    step = scheduler.plan(rounds_in_flight=0)
+    (admission,) = step.admissions
+    request = scheduler.admission_request(admission)
+    assert request.lengths.tolist() == [6 + 4] and request.tokens[0, :10].tolist() == [1] * 6 + [5, 6, 7, 6]
+    assert admission.resume_token.tolist() == [7] and admission.generated.tolist() == [5]
+    # a recompute's admission reports nothing: its tokens were reported once
+    assert scheduler.read("admit", 1, np.array([1]), packed(1, [([], 0, 0)])) == []
 
 
 MESH_SCRIPT = """

@@ -26,7 +26,7 @@ PROMPTS = [[5, 17, 3, 99, 42, 8, 11], [150, 2], [7, 7, 7, 21, 64]]
 STEPS = [[12, 77, 140], [1, 159, 30], [45, 45, 0]]  # teacher-forced decode tokens per row
 
 
-forward = jax.jit(target_lib.forward, static_argnums=(1, 4))  # one compile per config and shape
+forward = jax.jit(target_lib.forward_rows, static_argnums=(1, 4))  # one compile per config and shape
 
 
 def padded(prompts, width=8):
@@ -121,7 +121,7 @@ def test_prefill_decode_and_features_match_transformers(case):
     cfg = tgt.config
     capture = cfg.default_capture_layers
     tokens, lengths = padded(PROMPTS)
-    cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
+    cache = target_lib.new_row_cache(cfg, len(PROMPTS), 32, jnp.float32)
     hidden, cache, feats = forward(tgt.params, cfg, tokens, cache, capture)
     logits = target_lib.logits(tgt.params, hidden)
     cache = cache.with_lengths(lengths)
@@ -142,7 +142,7 @@ def test_greedy_output_matches_transformers(case):
     the programs the logits test compiled (the engine's own loop is checked in test_moe_speculation)."""
     name, model, _, tgt = case
     tokens, lengths = padded(PROMPTS)
-    cache = target_lib.new_cache(tgt.config, len(PROMPTS), 32, jnp.float32)
+    cache = target_lib.new_row_cache(tgt.config, len(PROMPTS), 32, jnp.float32)
     hidden, cache, _ = forward(tgt.params, tgt.config, tokens, cache, tgt.config.default_capture_layers)
     last = target_lib.logits(tgt.params, hidden)[jnp.arange(len(PROMPTS)), lengths - 1]
     out = [jnp.argmax(last, -1).astype(jnp.int32)]
@@ -248,8 +248,9 @@ def test_expert_ids_are_transformers_routing(case):
     """The routing a step reports (the benchmark's floors count its distinct experts) is transformers'."""
     name, model, _, tgt = case
     prompt = PROMPTS[0]
-    cache = target_lib.new_cache(tgt.config, 1, 8, jnp.float32)
-    ours = jax.jit(target_lib.expert_ids, static_argnums=1)(tgt.params, tgt.config, jnp.asarray([prompt]), cache)
+    cache = target_lib.new_row_cache(tgt.config, 1, 8, jnp.float32)
+    ours = jax.jit(target_lib.expert_ids, static_argnums=1)(tgt.params, tgt.config, jnp.asarray([prompt]), cache.pages,
+                                                           cache.layout(len(prompt)))
     with torch.no_grad():
         router_logits = model(torch.tensor([prompt]), output_router_logits=True).router_logits
     k = tgt.config.moe.num_experts_per_tok
@@ -340,9 +341,9 @@ def test_kernel_path_decode_matches_transformers(case, monkeypatch):
     name, model, _, tgt = case
     cfg = tgt.config
     monkeypatch.setattr(moe, "choose_path", lambda tokens, dtype, kernels: "kernel" if tokens <= 16 else "grouped")
-    run = jax.jit(target_lib.forward, static_argnums=(1, 4))  # traced here, with the patched choice
+    run = jax.jit(target_lib.forward_rows, static_argnums=(1, 4))  # traced here, with the patched choice
     tokens, lengths = padded(PROMPTS)
-    cache = target_lib.new_cache(cfg, len(PROMPTS), 32, jnp.float32)
+    cache = target_lib.new_row_cache(cfg, len(PROMPTS), 32, jnp.float32)
     _, cache, _ = run(tgt.params, cfg, tokens, cache, ())  # 24 rows: the grouped path
     cache = cache.with_lengths(lengths)
     step_logits = decode_steps(run, tgt.params, cfg, cache)

@@ -1,6 +1,8 @@
-"""Continuous batching: any number of prompts through a fixed pool of slots. Each prompt's output equals its
-output generated alone (greedy, float32; sampled with a seed), through refills, stops inside accepted spans
-and the cache edge; memory is the pool's; bad requests are refused with the prompt's index."""
+"""Continuous batching: any number of prompts through a fixed pool of slots over paged KV. Each prompt's output
+equals its output generated alone (greedy, float32; sampled with a seed), through refills, stops inside accepted
+spans and the cache edge, and with KV for one whole sequence only, shared by every slot (sequences preempted and
+recomputed); memory is the pool's and every page comes back; bad requests and bad KV sizes are refused with the
+value named."""
 
 import resource
 
@@ -52,12 +54,27 @@ def reference(world):
     return prompts, budgets, stops, alone(target, prompts, budgets, stops)
 
 
-@pytest.mark.parametrize("gamma", [0, 1, 2, 3, 4, 5])
+def tight(**engine_args) -> dict:
+    """Engine arguments whose KV holds one whole sequence of MAX_LEN (8 pages of 8) for every slot: the pool's rows
+    outgrow it, and the youngest is preempted and recomputed."""
+    return dict(kv_tokens=MAX_LEN, page_size=8, **engine_args)
+
+
+# Injected round costs for "auto" (no measuring in the tests): a gamma-g call costing 1 + g / 10, where the random
+# drafter's evidence moves the policy between gammas; and one where gamma 0 is always cheapest, so calls hold their
+# pairs back from the drafter and rows are preempted with pairs held.
+AUTO_COSTS = {"auto": lambda batch, length: np.array([1.0, 1.1, 1.2, 1.3]),
+              "auto-hold": lambda batch, length: np.array([1.0, 5.0, 9.0, 13.0])}
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 2, 3, 4, 5, "auto", "auto-hold"])
 def test_every_prompt_equals_its_output_alone(world, reference, gamma):
+    """Through 3 slots sharing KV for one sequence: preempted rows are recomputed and lose or repeat nothing."""
     target, drafter = world["random"]
     prompts, budgets, stops, expected = reference
-    engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=MAX_LEN,
-                               max_batch=POOL)
+    costs = AUTO_COSTS.get(gamma)
+    engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens="auto" if costs else gamma or 1,
+                               max_len=MAX_LEN, max_batch=POOL, round_costs=costs, **tight())
     got = engine.generate(prompts, budgets, stops)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
@@ -65,9 +82,40 @@ def test_every_prompt_equals_its_output_alone(world, reference, gamma):
     for r in got:  # each round emits its committed drafts and one more, but a round cut short: that one at most
         emitted = sum(a + 1 for a in r.accept_lengths)
         assert len(r.token_ids) - 1 in (emitted, emitted - 1) if gamma else r.accept_lengths == []
-    # The pool is allocated once, free, and 12 prompts through 3 slots take at least 4 admissions.
+    # The pool is allocated once, free, and 12 prompts through 3 slots take at least 4 admissions; sequences were
+    # preempted (their recomputes are admissions too), and every page is back.
     kinds = [kind for kind, _ in engine.device_events]
-    assert kinds.count("allocate") == 1 and kinds.count("prefill") >= 4
+    assert kinds.count("allocate") == 1 and kinds.count("prefill") >= 4 + engine.preemptions
+    # (under "auto" the admissions keep room for the largest gamma's calls, so its rows may all fit)
+    assert engine.preemptions > 0 or gamma in AUTO_COSTS
+
+
+@pytest.mark.parametrize("gamma", [3, "auto-hold"])
+def test_rows_outgrowing_the_kv_are_preempted_and_recomputed(world, gamma):
+    """Two prompts whose sequences (10 + 40 tokens: 7 pages of 8 each) cannot both fit in 8 pages: one is
+    preempted, also while "auto" holds its pairs back from the drafter (gamma 0 throughout), and both outputs
+    are their outputs alone."""
+    target, drafter = world["random"]
+    prompts = [list(range(3, 13)), list(range(20, 30))]
+    expected = alone(target, prompts, [40, 40], [(), ()])
+    costs = AUTO_COSTS.get(gamma)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto" if costs else gamma, max_len=MAX_LEN,
+                               max_batch=2, round_costs=costs, **tight())
+    got = engine.generate(prompts, 40)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected] and engine.preemptions > 0
+    if costs is not None:
+        assert {g for r in got for g in r.gammas} == {0}
+    assert engine.page_pool.free == engine.page_pool.num_pages
+    assert engine.page_pool.free == engine.page_pool.num_pages == MAX_LEN // 8
+
+
+def test_a_roomy_pool_preempts_nothing(world, reference):
+    """The CPU's default KV (max_batch x max_len tokens) holds every slot whole: no preemption."""
+    target, drafter = world["random"]
+    prompts, budgets, stops, expected = reference
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, max_batch=POOL)
+    assert [r.token_ids for r in engine.generate(prompts, budgets, stops)] == [r.token_ids for r in expected]
+    assert engine.preemptions == 0 and engine.kv_tokens == POOL * MAX_LEN
 
 
 def test_admissions_of_one_prompt_into_a_pool_allocated_free(world, reference):
@@ -95,13 +143,16 @@ def test_stops_inside_accepted_spans_through_refills(world):
         assert r.token_ids == full.token_ids[: cut + 1] and r.finish_reason == "stop"
 
 
-def test_seeded_rows_give_their_tokens_alone_in_any_slot(world):
+@pytest.mark.parametrize("kv", [{}, tight()], ids=["roomy", "tight"])
+def test_seeded_rows_give_their_tokens_alone_in_any_slot(world, kv):
+    """Also when rows are preempted: a recompute draws nothing, so a row goes on with its own random stream."""
     target, drafter = world["random"]
     prompts, budgets = mixed_request(1, count=7)
     settings = dict(temperature=0.8, top_k=12, top_p=0.9)
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, max_batch=2)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, max_batch=2, **kv)
     got = engine.generate(prompts, budgets, seed=list(range(100, 107)), **settings)
-    for i in (0, 3, 6):  # the first slot's first prompt, a refill, and the last refill
+    assert (engine.preemptions > 0) == bool(kv)
+    for i in (0, 3, 6) if not kv else range(7):  # the first slot's first prompt, a refill, and the last refill
         (one,) = engine.generate([prompts[i]], budgets[i], seed=100 + i, **settings)
         assert one.token_ids == got[i].token_ids
 
@@ -117,6 +168,7 @@ def test_stream_names_prompts_and_abandoning_it_mid_pool_leaves_the_engine_usabl
     stream = engine.stream(prompts, budgets)
     [next(stream) for _ in range(5)]
     del stream
+    assert engine.page_pool.free == engine.page_pool.num_pages  # the abandoned pool gave its pages back
     assert engine.generate(prompts, budgets) == expected
 
 
@@ -157,14 +209,43 @@ def test_one_bad_prompt_in_thousands_is_named_and_nothing_runs(world, kwargs, me
 
 
 def test_pool_size_is_checked_before_anything_is_allocated(world):
+    """A bad max_batch is refused; so is the KV a huge one implies (the CPU's default kv_tokens is max_batch x
+    max_len), naming it, before any page is allocated; None takes the CPU's default of slots."""
     target, drafter = world["random"]
     for bad in (0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match="max_batch must be a positive int or None"):
             eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=bad)
-    with pytest.raises(ValueError, match=r"max_batch=1000000000000 slots do not fit: \d+ fit .* MiB a slot"):
+    with pytest.raises(ValueError, match=r"kv_tokens=64000000000000 \(max_batch x max_len, the CPU's default\) "
+                                         r"\(.* GiB of KV in pages of 64\) does not fit"):
         eagle3_jax.Engine(target, drafter, max_len=MAX_LEN, max_batch=10**12)
-    capacity = eagle3_jax.decoding.engine.pool_capacity(target, drafter, MAX_LEN)
-    assert eagle3_jax.Engine(target, drafter, max_len=MAX_LEN).max_batch == min(capacity, 256)
+    engine = eagle3_jax.Engine(target, drafter, max_len=MAX_LEN)
+    assert engine.max_batch == eagle3_jax.decoding.engine.CPU_DEFAULT_BATCH
+    assert engine.kv_tokens == engine.max_batch * MAX_LEN
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(kv_tokens=MAX_LEN - 1), "kv_tokens must be None or an int of at least max_len=64 .*got 63"),
+    (dict(kv_tokens=-5), "kv_tokens must be None or an int of at least max_len=64 .*got -5"),
+    (dict(kv_tokens=100.0), "kv_tokens must be None or an int of at least max_len=64 .*got 100.0"),
+    (dict(kv_tokens=True), "kv_tokens must be None or an int .*got True"),
+    (dict(page_size=0), "page_size must be None or a positive int, got 0"),
+    (dict(page_size=8.0), "page_size must be None or a positive int, got 8.0"),
+    (dict(page_size="16"), "page_size must be None or a positive int, got '16'"),
+])
+def test_bad_kv_sizes_are_refused_before_anything_is_allocated(world, bad, message, monkeypatch):
+    target, _ = world["random"]
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("device work before the checks"))
+    with pytest.raises(ValueError, match=message):
+        eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=2, **bad)
+
+
+def test_kv_rounds_up_to_whole_pages_and_holds_one_whole_sequence(world):
+    """kv_tokens rounds up to whole pages; the pages always hold one sequence of max_len (at any page size)."""
+    target, _ = world["random"]
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=2, kv_tokens=70, page_size=16)
+    assert engine.kv_tokens == 80 and engine.page_pool.num_pages == 5
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=2, kv_tokens=MAX_LEN, page_size=48)
+    assert engine.page_pool.num_pages == 2 and engine.kv_tokens == 96
 
 
 def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory(world):
@@ -187,9 +268,11 @@ def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory(world
     # moment, so the count is compared at its floor: the second half's no higher than the first's (a leak of one
     # buffer per prompt would add a thousand).
     assert len(buffers) == 10 and min(buffers[5:]) - min(buffers[:5]) <= 4, buffers
-    # A whole-batch request would hold 2,000 slots of KV: 2,000 x Engine.slot_bytes (750 MB here).
-    whole_mb = 2000 * eagle3_jax.decoding.engine.slot_bytes(target, None, MAX_LEN) / 2**20
+    # A whole-batch request would hold 2,000 sequences of KV at max_len (375 MB here).
+    cfg = target.config
+    whole_mb = 2000 * MAX_LEN * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
     assert grown_mb < 100 < whole_mb, (grown_mb, whole_mb)
+    assert engine.page_pool.free == engine.page_pool.num_pages  # every page back
 
 
 def test_compile_runs_every_shape_a_pool_request_takes(world):

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from eagle3_jax.models import attention, kv_cache
+from eagle3_jax.models import kv_cache
+from eagle3_jax.models.layers import apply_rope, rms_norm
 from eagle3_jax.models.paged_attention import (
+    attention_block,
     paged_attention_xla,
-    rotate_and_write_pages,
     token_positions,
     write_pages,
 )
@@ -126,8 +127,8 @@ def test_kernel_default_splits_for_a_batch_of_one_decode():
     check(out, paged_attention_reference(*args, scale=0.125), args[5], jnp.bfloat16)
 
 
-def test_token_positions_and_write_pages_match_the_contiguous_cache():
-    """New K/V written into shuffled pages equal kv_cache.write into a contiguous cache, read back
+def test_token_positions_and_write_pages_match_a_dense_cache():
+    """New K/V written into shuffled pages equal the same entries set in a dense cache per sequence, read back
     through the page table; tokens of no sequence, positions past the table and page ids outside the pool write
     nothing."""
     K, H, page_size = 2, 16, 8
@@ -141,13 +142,16 @@ def test_token_positions_and_write_pages_match_the_contiguous_cache():
     pages = jnp.asarray(rng.standard_normal((K, 9, page_size, H)), jnp.float32)
     new_k, new_v = (jnp.asarray(rng.standard_normal((6, K, H)), jnp.float32) for _ in range(2))
     k_pages, v_pages = write_pages(pages, pages, table, seq, pos, new_k, new_v)
-    dense = pages[:, table].reshape(K, 3, 3 * page_size, H).transpose(1, 0, 2, 3)  # [S, K, L, H]
+
+    def dense(p):  # [S, K, L, H]: each sequence's keys in position order
+        return np.asarray(p[:, table].reshape(K, 3, 3 * page_size, H).transpose(1, 0, 2, 3))
+
     for new, paged in ((new_k, k_pages), (new_v, v_pages)):
-        per_seq = jnp.zeros((3, 3, K, H)).at[jnp.array([0, 0, 0, 1]), jnp.array([0, 1, 2, 0])].set(new[:4])
-        positions = jnp.array([[7, 8, 9], [16, 99, 99], [99, 99, 99]])  # 99: past the cache, dropped
-        expected = kv_cache.write(dense, per_seq, positions)
-        got = paged[:, table].reshape(K, 3, 3 * page_size, H).transpose(1, 0, 2, 3)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        expected = np.array(dense(pages))
+        for token, (s_, p_) in enumerate(zip(seq.tolist(), pos.tolist())):
+            if s_ < 3 and p_ >= 0:
+                expected[s_, :, p_] = np.asarray(new[token])
+        np.testing.assert_array_equal(dense(paged), expected)
     past = write_pages(pages, pages, table, jnp.array([0]), jnp.array([3 * page_size]), new_k[:1], new_v[:1])
     np.testing.assert_array_equal(np.asarray(past[0]), np.asarray(pages))
     unallocated = table.at[0, 0].set(-1)  # a page id outside the pool: nothing written, not the pool's last page
@@ -155,26 +159,31 @@ def test_token_positions_and_write_pages_match_the_contiguous_cache():
     np.testing.assert_array_equal(np.asarray(none[0]), np.asarray(pages))
 
 
-def test_rotate_and_write_pages_matches_the_contiguous_path():
-    """q/k norm + RoPE + page write equals attention.rotate_and_cache (XLA) for the same tokens."""
-    N, K, H, page_size = 4, 2, 16, 8
+def test_attention_block_writes_the_rotated_keys_at_their_positions():
+    """The model's paged block (q/k norm, RoPE, page write, attention): q and the written K/V equal layers'
+    rms_norm and apply_rope of the same rows, placed at each token's position through the page table (crossing a
+    page edge); a row whose write is off leaves the pages as they were; the output is the XLA path's."""
+    N, K, H, page_size, T = 4, 2, 16, 8, 5
     rng = np.random.default_rng(4)
-    T = 5
-    qkv = jnp.asarray(rng.standard_normal((T, (N + 2 * K) * H)), jnp.float32)
-    cos, sin = (jnp.asarray(rng.standard_normal((T, H)), jnp.float32) for _ in range(2))
+    qkv = jnp.asarray(rng.standard_normal((2, T, (N + 2 * K) * H)), jnp.float32)
+    cos, sin = (jnp.asarray(rng.standard_normal((2, T, H)), jnp.float32) for _ in range(2))
     q_norm, k_norm = (jnp.asarray(rng.standard_normal(H), jnp.float32) for _ in range(2))
-    table = jnp.asarray([[2, 0]], jnp.int32)
-    pages = jnp.zeros((K, 3, page_size, H), jnp.float32)
-    positions = jnp.arange(6, 6 + T, dtype=jnp.int32)  # crosses the edge of page 2 into page 0
-    q, k_pages, v_pages = rotate_and_write_pages(qkv, cos, sin, pages, pages, table, jnp.zeros(T, jnp.int32),
-                                                 positions, num_heads=N, q_norm=q_norm, k_norm=k_norm, eps=1e-6)
-    cache = jnp.zeros((1, K, 2 * page_size, H), jnp.float32)
-    q_ref, k_ref, v_ref = attention.rotate_and_cache(qkv[None], cos[None], sin[None], cache, cache,
-                                                     jnp.array([6], jnp.int32), num_heads=N, q_norm=q_norm,
-                                                     k_norm=k_norm, eps=1e-6, kernels="xla")
-    np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref[0]))
-    for paged, ref in ((k_pages, k_ref), (v_pages, v_ref)):
-        np.testing.assert_array_equal(np.asarray(paged[:, table[0]].reshape(K, 2 * page_size, H)), np.asarray(ref[0]))
+    table = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
+    pages = jnp.asarray(rng.standard_normal((K, 4, page_size, H)), jnp.float32)
+    start = jnp.array([6, 0], jnp.int32)  # row 0 crosses the edge of page 2 into page 0
+    layout = kv_cache.Layout.uniform(table, start, T, jnp.array([True, False]))
+    out, k_pages, v_pages = attention_block(qkv, cos, sin, pages, pages, layout, num_heads=N, q_norm=q_norm,
+                                            k_norm=k_norm, eps=1e-6, kernels="xla")
+    q, k, v = jnp.split(qkv.reshape(2, T, N + 2 * K, H), [N, N + K], axis=2)
+    q_ref = apply_rope(rms_norm(q, q_norm, 1e-6), cos, sin)
+    k_ref = apply_rope(rms_norm(k, k_norm, 1e-6), cos, sin)
+    for paged, ref in ((k_pages, k_ref), (v_pages, v)):
+        row0 = np.asarray(paged[:, table[0]].reshape(K, 2 * page_size, H))[:, 6 : 6 + T]
+        np.testing.assert_allclose(row0, np.asarray(ref[0]).transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(paged[:, table[1]]), np.asarray(pages[:, table[1]]))
+    want = paged_attention_xla(q_ref.reshape(2 * T, N, H), k_pages, v_pages, layout.read_table, layout.kv_lens,
+                               layout.cu_q_lens, scale=H**-0.5, max_q_len=T)
+    np.testing.assert_allclose(np.asarray(out).reshape(2 * T, N, H), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def _lower(T, S, pages_per_seq, page_size, max_q_len, **tuning):

@@ -8,6 +8,7 @@ import torch
 
 import eagle3_jax
 from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding.spec_round import Admission, split_pages, with_pages
 from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
@@ -172,20 +173,30 @@ def test_stops_and_max_new_inside_accepted_spans(world):
 
 
 def test_round_and_admission_update_caches_in_place(world):
-    """The round and the pool's admission donate their state: the caches they were given are consumed,
-    not copied."""
+    """The round and the pool's admission donate what they update: the prefill consumes the page pools it writes
+    into, the insert the pool's rows, the round its state, pools included; nothing is copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    params = (target.params, drafter.params)
+    params, width = (target.params, drafter.params), engine.table_width
     request = engine.request(PROMPTS, 8)
-    pool = engine_lib.jit_empty(*params, jax.device_put(request.take([], 3, 64)), spec=engine.spec)
-    slots = jax.device_put(np.arange(3, dtype=np.int32))
-    fresh, _ = engine_lib.jit_prefill(*params, jax.device_put(request), spec=engine.spec)
-    state = engine_lib.jit_insert(pool, fresh, slots)
+    pages = engine.page_pool.arrays
+    rows = engine_lib.jit_empty(*params, pages, jax.device_put(Admission.unpaged(request.take([], 3, 64), width)),
+                                spec=engine.spec)
+    table = np.full((3, width), -1, np.int32)
+    table[:, :2] = np.arange(6).reshape(3, 2)  # two pages of 64 hold each prompt and its 8 tokens
+    admission = Admission(request, table, np.full((3,), -1, np.int32), np.zeros((3,), np.int32))
+    fresh, _ = engine_lib.jit_prefill(*params, pages, jax.device_put(admission), spec=engine.spec)
+    fresh_rows, fresh_pages = split_pages(fresh)
+    pooled = engine_lib.jit_insert(rows, fresh_rows, jax.device_put(np.arange(3, dtype=np.int32)))
+    state = with_pages(pooled, fresh_pages)
     new_state, _ = engine_lib.jit_rounds(*params, state, spec=engine.spec, num_rounds=4)
-    for old in (pool, state):
-        assert all(x.is_deleted() for x in old.target_cache.k + old.target_cache.v + old.draft_cache.k)
-    assert not any(x.is_deleted() for x in new_state.target_cache.k)
+
+    def buffers(pools):
+        return [x for pool in pools for x in pool.k + pool.v]
+
+    assert all(x.is_deleted() for x in buffers(pages) + buffers(fresh_pages))
+    assert all(x.is_deleted() for x in jax.tree.leaves(rows) + jax.tree.leaves(pooled))
+    assert not any(x.is_deleted() for x in buffers((new_state.target_pages, new_state.draft_pages)))
 
 
 def test_one_transfer_per_call_and_no_recompile(world):

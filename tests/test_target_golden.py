@@ -42,14 +42,14 @@ def test_prefill_decode_and_features_match_transformers(case):
     for i, p in enumerate(PROMPTS):
         tokens[i, : len(p)] = p
     lengths = jnp.array([len(p) for p in PROMPTS], jnp.int32)
-    cache = target_lib.new_cache(cfg, B, 32, jnp.float32)
-    hidden, cache, feats = target_lib.forward(tgt.params, cfg, jnp.asarray(tokens), cache, capture)
+    cache = target_lib.new_row_cache(cfg, B, 32, jnp.float32)
+    hidden, cache, feats = target_lib.forward_rows(tgt.params, cfg, jnp.asarray(tokens), cache, capture)
     logits = target_lib.logits(tgt.params, hidden)
     cache = cache.with_lengths(lengths)
     step_logits = []
     for s in range(len(STEPS[0])):
         step_tokens = jnp.array([[row[s]] for row in STEPS], jnp.int32)
-        h, cache, _ = target_lib.forward(tgt.params, cfg, step_tokens, cache, capture)
+        h, cache, _ = target_lib.forward_rows(tgt.params, cfg, step_tokens, cache, capture)
         step_logits.append(np.asarray(target_lib.logits(tgt.params, h))[:, 0])
         cache = cache.with_lengths(cache.lengths + 1)
     for i, prompt in enumerate(PROMPTS):
@@ -67,11 +67,11 @@ def test_batch_one_decode_matches_transformers(case):
     (tests/test_layers.py checks that form; here, on the CPU, XLA's dot)."""
     name, model, tgt = case
     cfg, prompt, steps = tgt.config, PROMPTS[0], STEPS[0]
-    cache = target_lib.new_cache(cfg, 1, 16, jnp.float32)
-    _, cache, _ = target_lib.forward(tgt.params, cfg, jnp.asarray([prompt]), cache)
+    cache = target_lib.new_row_cache(cfg, 1, 16, jnp.float32)
+    _, cache, _ = target_lib.forward_rows(tgt.params, cfg, jnp.asarray([prompt]), cache)
     cache = cache.with_lengths(cache.lengths + len(prompt))
     ref_logits, _ = hf_reference(model, prompt + steps)
     for s, token in enumerate(steps):
-        h, cache, _ = target_lib.forward(tgt.params, cfg, jnp.asarray([[token]]), cache)
+        h, cache, _ = target_lib.forward_rows(tgt.params, cfg, jnp.asarray([[token]]), cache)
         cache = cache.with_lengths(cache.lengths + 1)
         assert rel_err(target_lib.logits(tgt.params, h)[0, 0], ref_logits[len(prompt) + s]) < 1e-4, (name, s)

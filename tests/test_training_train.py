@@ -110,10 +110,10 @@ def check_export_in_specforge(out: Path, target_folder: Path, target):
                                attention_mask=None, position_ids=torch.arange(10)[None].expand(2, -1))
         ref = model.compute_logits(out_h).numpy()
     cfg, params = drafter.config, drafter.params
-    cache = drafter_lib.new_cache(cfg, 2, 16, jnp.float32)
+    cache = drafter_lib.new_row_cache(cfg, 2, 16, jnp.float32)
     h = drafter_lib.project_features(params, cfg, jnp.asarray(features.numpy()))
-    ours, _ = drafter_lib.forward(params, cfg, target.params["embed"], h, jnp.asarray(tokens.numpy(), jnp.int32),
-                                  cache, "xla")
+    ours, _ = drafter_lib.forward_rows(params, cfg, target.params["embed"], h,
+                                       jnp.asarray(tokens.numpy(), jnp.int32), cache, "xla")
     logits = np.asarray(drafter_lib.draft_logits(params, cfg, ours))
     assert np.max(np.abs(logits - ref)) <= 1e-4 * np.max(np.abs(ref))
 

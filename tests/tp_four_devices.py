@@ -126,8 +126,8 @@ def _sharded_forward(cfg, mesh):
     specs = weights.partition_specs(weights.target_weights(local_cfg), layout.TARGET_RULES)
 
     def local(params, tokens):
-        cache = qwen3.new_cache(local_cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-        hidden, _, _ = qwen3.forward(params, local_cfg, tokens, cache, tp=Shards(tp))
+        cache = qwen3.new_row_cache(local_cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+        hidden, _, _ = qwen3.forward_rows(params, local_cfg, tokens, cache, tp=Shards(tp))
         return qwen3.logits(params, hidden)
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(None, None, "tp"),
@@ -141,8 +141,8 @@ def sharded_logits(target, tokens: np.ndarray) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _unsharded_forward(params, tokens, cfg):
-    cache = qwen3.new_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-    hidden, _, _ = qwen3.forward(params, cfg, tokens, cache)
+    cache = qwen3.new_row_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+    hidden, _, _ = qwen3.forward_rows(params, cfg, tokens, cache)
     return qwen3.logits(params, hidden)
 
 

@@ -1,7 +1,8 @@
-"""The EAGLE-3 drafter as a proposer (decoding/proposer.py): its state is the drafter's KV cache of the pairs
-(g_t, x_{t+1}) and its pre-norm output at the newest committed position (`DecodeState.draft_cache`,
-`draft_hidden`); it reads the target's captured features, drafts a greedy (or, for sampled rows with proposal
-"sample", drawn) chain of gamma tokens, and rebuilds its cache from the verified tokens' features."""
+"""The EAGLE-3 drafter as a proposer (decoding/proposer.py): its state is the drafter's KV of the pairs
+(g_t, x_{t+1}) in its own page pool (`DecodeState.draft_pages`, through the rows' page tables, `draft_lengths`
+pairs a row) and its pre-norm output at the newest committed position (`draft_hidden`); it reads the target's
+captured features, drafts a greedy (or, for sampled rows with proposal "sample", drawn) chain of gamma tokens,
+and rebuilds its KV from the verified tokens' features."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.kv_cache import Layout
 
 
 def _embed(dparams, tparams):
@@ -34,36 +36,38 @@ class Eagle3:
     def feature_width(self) -> int:
         return self.config.feature_width
 
-    @property
-    def head_dims(self) -> tuple[int, ...]:
-        return (self.config.head_dim,)
+    def token_elements(self) -> int:
+        """KV elements one token takes in its page pool (one layer, k and v)."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim
 
-    def row_bytes(self, max_len: int) -> int:
-        """KV elements one row of its cache holds at max_len (one layer, k and v)."""
-        return 2 * self.config.num_kv_heads * max_len * self.config.head_dim
+    def new_pages(self, num_pages: int, page_size: int, dtype):
+        """Its page pool: as many pages as the target's, addressed by the same page tables."""
+        return drafter_lib.new_pages(self.config, num_pages, page_size, dtype)
 
-    def prefill(self, dparams, tparams, spec, tokens, prompt_lengths, first, features) -> dict:
-        """The drafter cache over the prompt's pairs (g_t, x_{t+1}), t < prompt length: the prompt shifted left,
-        then the first token."""
+    def prefill(self, dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> dict:
+        """The drafter's pages over the prompt's pairs (g_t, x_{t+1}), t < prompt length: the prompt shifted left,
+        then the first token; written through the rows' page tables into `state.draft_pages`."""
         B, Tp = tokens.shape
         nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
         nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
-        cache = drafter_lib.new_cache(self.config, B, spec.max_len, tparams["embed"].dtype)
         h = drafter_lib.project_features(dparams, self.config, features)
-        out, cache = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, nxt, cache, spec.kernels,
-                                         spec.tp)
-        return dict(draft_cache=cache.with_lengths(prompt_lengths), draft_hidden=out[jnp.arange(B), prompt_lengths - 1])
+        layout = Layout.uniform(state.page_table, jnp.zeros((B,), jnp.int32), Tp)
+        out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, nxt, state.draft_pages,
+                                         layout, spec.kernels, spec.tp)
+        return dict(draft_pages=pages, draft_lengths=prompt_lengths,
+                    draft_hidden=out[jnp.arange(B), prompt_lengths - 1])
 
     def propose(self, dparams, tparams, state, keys, spec):
         """The drafter's chain: (drafts [B, G] target ids, q [B, G, Vd] or None, q's target ids or None, the
-        drafter cache holding the chain's speculative entries). Greedy unless the build samples with proposal
+        drafter's pages holding the chain's speculative entries). Greedy unless the build samples with proposal
         "sample": then sampled rows draw each draft from the drafter's filtered distribution q (the same
         filters as the target's), and greedy rows still take the argmax."""
-        args = (dparams, self.config, _embed(dparams, tparams), state.draft_hidden, state.draft_cache, spec.gamma,
-                spec.kernels)
+        args = (dparams, self.config, _embed(dparams, tparams), state.draft_hidden, state.draft_pages, state.page_table,
+                state.draft_lengths, spec.gamma, spec.kernels)
+        write = ~state.done
         if not (spec.sampling and spec.proposal == "sample"):
-            drafts, cache = drafter_lib.draft_chain(*args, tp=spec.tp)
-            return drafts, None, None, cache
+            drafts, pages = drafter_lib.draft_chain(*args, write=write, tp=spec.tp)
+            return drafts, None, None, pages
         s = state.sampling
 
         def propose(logits, step):
@@ -71,37 +75,42 @@ class Eagle3:
             drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
             return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
 
-        drafts, q, cache = drafter_lib.draft_chain(*args, propose=propose, tp=spec.tp)
+        drafts, q, pages = drafter_lib.draft_chain(*args, propose=propose, write=write, tp=spec.tp)
         # q lives on the draft vocabulary, 0 for every other target token.
-        return drafts, q, drafter_lib.to_target_id(dparams, jnp.arange(self.config.draft_vocab_size)), cache
+        return drafts, q, drafter_lib.to_target_id(dparams, jnp.arange(self.config.draft_vocab_size)), pages
 
     def update(self, dparams, tparams, old, new, carry, choices, accepted, features, spec):
         """The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted are the newly
-        committed pairs; the drafter's own speculative entries (in `carry`, its cache) are overwritten."""
+        committed pairs; the drafter's own speculative entries (in `carry`, its pages) are overwritten."""
         live = ~old.done
         h = drafter_lib.project_features(dparams, self.config, features)
-        out, cache = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, choices, carry,
+        layout = Layout.uniform(old.page_table, old.draft_lengths, choices.shape[1], live)
+        out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, choices, carry, layout,
                                          spec.kernels, spec.tp)
         return dataclasses.replace(
             new,
-            draft_cache=cache.with_lengths(new.target_cache.lengths),
+            draft_pages=pages,
+            draft_lengths=new.lengths,
             draft_hidden=jnp.where(live[:, None], out[jnp.arange(choices.shape[0]), accepted], old.draft_hidden),
         )
 
     def catch_up(self, dparams, tparams, state, held, spec):
         """The rebuild over every held pair (held.features [B, H, C], held.tokens [B, H]) in one pass, and each
         held pair's would-be first draft d_1 matched against its token [B, H] (for the lm_head's price). Entries
-        past a row's count are stale and ignored (`with_lengths`)."""
-        count = state.target_cache.lengths - state.draft_cache.lengths
+        past a row's count land past its committed pairs, stale; a finished row writes nothing (its pages may
+        be another row's by now)."""
+        count = state.lengths - state.draft_lengths
         h = drafter_lib.project_features(dparams, self.config, held.features)
-        out, cache = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, held.tokens,
-                                         state.draft_cache, spec.kernels)
+        layout = Layout.uniform(state.page_table, state.draft_lengths, held.tokens.shape[1], ~state.done)
+        out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, held.tokens,
+                                         state.draft_pages, layout, spec.kernels)
         before = jnp.concatenate([state.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each pair's d_1 is from
         matched = drafter_lib.draft_token(dparams, self.config, before) == held.tokens
         rows = jnp.arange(count.shape[0])
         caught_up = dataclasses.replace(
             state,
-            draft_cache=cache.with_lengths(state.target_cache.lengths),
+            draft_pages=pages,
+            draft_lengths=state.lengths,
             draft_hidden=jnp.where((count > 0)[:, None], out[rows, jnp.maximum(count - 1, 0)], state.draft_hidden),
         )
         return caught_up, matched

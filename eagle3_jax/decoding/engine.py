@@ -1,6 +1,8 @@
 """The host side: a checked request (request.py) decoded through a pool of slots (live.py, live_plan.py,
-slots.py): prompts are prefilled into free slots in input order and one jitted call of rounds after another
-runs over the pool, so any number of prompts runs in the pool's memory. `generate`, `stream` and
+slots.py) over the engine's paged KV (page_pool.py): prompts are prefilled into free slots and their pages in
+input order and one jitted call of rounds after another runs over the pool, so any number of prompts runs in
+the pool's memory; a sequence holds pages for the tokens it has, and when they run out the youngest is
+preempted and later recomputed (`Engine.preemptions` counts them). `generate`, `stream` and
 `as_completed` run a live pool of their own, the one the server runs (decoding/live.py), given every prompt at
 once.
 
@@ -30,7 +32,6 @@ num_draft_tokens="auto" is refused (its round costs and held pairs are one devic
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 from collections.abc import Iterator, Sequence
 
@@ -38,13 +39,14 @@ import jax
 import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, round_costs, slots, spec_round
+from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, page_pool, round_costs, slots, spec_round
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.live_plan import admission_shapes
 from eagle3_jax.decoding.request import Request, bucket_length, is_int
 from eagle3_jax.models import kernels as kernels_lib
+from eagle3_jax.models import kv_cache
 from eagle3_jax.parallel import steps as parallel_steps
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
@@ -55,9 +57,10 @@ DEFAULT_PROPOSAL = "argmax"
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False
-# Engine(max_batch=None) takes the slots that fit, at most this many: every slot's KV is held for max_len,
-# and a larger batch compiles and runs steps no user of one GPU is likely to want.
+# Engine(max_batch=None)'s slots on a GPU; a larger batch compiles and runs steps no user of one GPU is likely to
+# want. A slot holds no KV of its own (its sequence's pages do), so slots are cheap.
 MAX_DEFAULT_BATCH = 256
+CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and demos
 # The most padded prompt tokens (rows x bucket) one admission prefills at once: bounds prefill's working
 # memory (activations, attention scores) whatever the pool size.
 PREFILL_TOKENS = 8192
@@ -91,11 +94,12 @@ class Result:
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
 jit_empty = jax.jit(slots.empty, static_argnames=("spec",))
-jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",))
-jit_insert = jax.jit(slots.insert, donate_argnames=("state",))
+jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",), donate_argnames=("pages",))
+jit_insert = jax.jit(slots.insert, donate_argnames=("rows",))
 jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
+jit_new_pages = jax.jit(spec_round.new_pages, static_argnums=(0, 1, 2, 3))
 ONE_DEVICE = parallel_steps.Steps(jit_empty, jit_prefill, jit_insert, jit_rounds, put=jax.device_put,
-                                  fetch=jax.device_get)
+                                  fetch=jax.device_get, new_pages=jit_new_pages)
 
 
 class Engine:
@@ -108,7 +112,7 @@ class Engine:
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, max_draft_tokens: int | None = None, round_costs=None,
-                 mesh=None):
+                 mesh=None, kv_tokens: int | None = None, page_size: int | None = None):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
         in the row's own tokens, no weights), or None (spec off); anything else is refused.
         num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
@@ -131,8 +135,13 @@ class Engine:
         speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
         the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow).
         max_batch: the slots of the pool every request decodes through (a request of fewer prompts takes
-        fewer). None: as many as fit (`pool_capacity`), at most MAX_DEFAULT_BATCH; a pool that cannot fit is
-        refused here, before anything is allocated.
+        fewer). None: MAX_DEFAULT_BATCH on a GPU, CPU_DEFAULT_BATCH on the CPU.
+        kv_tokens: the tokens of KV the engine's page pools hold, the target's and the drafter's (rounded up to
+        whole pages, and at least one whole sequence of max_len); what every running sequence shares. None: on a
+        GPU, page_pool.KV_SHARE of the device's memory limit after the weights; on the CPU, max_batch x max_len.
+        KV that does not fit in the device's free memory is refused here, before anything is allocated.
+        page_size: tokens per page (None: page_pool.default_page_size: DEFAULT_PAGE_SIZE, less for a max_len below
+        it).
         prefill_tokens: the most padded prompt tokens (rows x prompt bucket) one admission prefills at once,
         which bounds prefill's working memory; a longer prompt is still prefilled, alone.
         mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md); None: the target's
@@ -143,8 +152,9 @@ class Engine:
         proposer, dparams = proposer_lib.resolve(drafter)
         gamma, self.auto = engine_args.check_gamma(proposer is not None, num_draft_tokens, max_draft_tokens)
         max_len = engine_args.check_sizes(cfg, proposer is not None, gamma, max_len, rounds_per_call)
-        head_dims = (cfg.head_dim,) + (proposer.head_dims if proposer is not None else ())
-        kernels = kernels_lib.check(kernels or kernels_lib.default(*head_dims), *head_dims)
+        engine_args.check_max_batch(max_batch)
+        engine_args.check_pages(kv_tokens, page_size, max_len)
+        kernels = kernels_lib.check(kernels or kernels_lib.default())
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         engine_args.check_exact(cfg, exact)
@@ -160,9 +170,8 @@ class Engine:
                 drafter, dparams = weighted, weighted.params
         self.target, self.drafter, self.max_len = target, drafter, max_len
         self._proposer, self._dparams = proposer, dparams
-        per_device = target if mesh is None else parallel_steps.per_device_target(target)
-        self.max_batch = _check_pool(max_batch, pool_capacity(per_device, drafter, max_len),
-                                     slot_bytes(per_device, drafter, max_len))
+        default_batch = CPU_DEFAULT_BATCH if jax.default_backend() == "cpu" else MAX_DEFAULT_BATCH
+        self.max_batch = default_batch if max_batch is None else int(max_batch)
         self._rounds_per_call = int(rounds_per_call)
         if not is_int(prefill_tokens) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
@@ -181,6 +190,8 @@ class Engine:
         )
         if mesh is not None:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
+        self.page_pool = self._page_pool(kv_tokens, page_size or page_pool.default_page_size(max_len))
+        self.preemptions = 0  # sequences preempted (their pages freed, recomputed later) since construction
         # Without a proposer that samples its drafts (none, or prompt lookup, whose drafts are tokens) "sample" is
         # "argmax": one sampling build for either choice.
         samples = proposer is not None and proposer.samples_drafts
@@ -189,6 +200,41 @@ class Engine:
         # Prefill draws no drafts: one compilation of it serves both proposals.
         self._sampling_prefill_spec = dataclasses.replace(self._sampling_spec, proposal=PROPOSALS[0])
         self.device_events: list[tuple[str, tuple[int, ...]]] = []
+
+    def _page_pool(self, kv_tokens: int | None, page_size: int) -> page_pool.PagePool:
+        """The engine's pages: enough for kv_tokens (and one sequence of max_len at least); refused when they do
+        not fit in the device's free memory."""
+        spec, proposer = self._spec, self._proposer
+        cfg, dtype = spec.target, self.target.params["embed"].dtype  # the per-device config on a mesh
+        token_bytes = kv_cache.token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize)
+        if proposer is not None:
+            token_bytes += proposer.token_elements() * dtype.itemsize
+        given = ""
+        if kv_tokens is None:
+            devices = 1 if self.target.mesh is None else self.target.mesh.devices.size
+            weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self.target.params, self._dparams)))
+            weights //= devices
+            kv_tokens = page_pool.default_kv_tokens(weights, token_bytes, page_size, self.max_batch, self.max_len)
+            given = (" (max_batch x max_len, the CPU's default)" if page_pool.device_memory_limit() is None else
+                     f" (the default: {page_pool.KV_SHARE:.0%} of the device's memory after the weights)")
+        num_pages = max(page_pool.pages_for(kv_tokens, page_size), page_pool.pages_for(self.max_len, page_size))
+        need, free = num_pages * page_size * token_bytes, page_pool.free_device_bytes()
+        if need > free:
+            raise ValueError(f"kv_tokens={kv_tokens}{given} ({need / 2**30:.2f} GiB of KV in pages of {page_size}) "
+                             f"does not fit in the device's free memory ({free / 2**30:.2f} GiB): lower kv_tokens")
+        self.table_width = kv_cache.table_width(self.max_len, page_size, max(self.num_draft_tokens, spec.held) + 1)
+        self.kv_tokens = num_pages * page_size
+        return page_pool.PagePool(num_pages, page_size, self._new_pages)
+
+    def _new_pages(self) -> tuple:
+        """The engine's device page pools, zeroed: the target's and its proposer's (or None); on a mesh each device
+        holds its KV heads (the spec's per-device config)."""
+        pool = self.page_pool
+        return self._steps.new_pages(self._spec, pool.num_pages, pool.page_size, self.target.params["embed"].dtype)
+
+    @property
+    def page_size(self) -> int:
+        return self.page_pool.page_size
 
     def _build(self, request: Request) -> spec_round.StepSpec:
         """The build a request runs: the sampling one when some row samples, with the filter its settings
@@ -298,38 +344,48 @@ class Engine:
     def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False,
                 top_k: int = 0) -> int:
         """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
-        longest_prompt tokens once, on dummy rows, so that no later request of such prompts that fills the pool
-        waits on XLA (a request of fewer prompts runs a pool of as many slots, compiled on first use):
-        each admission's prefill (prompt bucket x rows, as live_plan's scheduler groups them) and the call of rounds
-        (of every gamma under "auto", whose round costs at the pool's size it also measures or loads); greedy,
-        or when `samples` the sampling build that rows of this `top_k` take (0: the radix build, for any
-        settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build either way). Returns how
-        many prefill shapes ran."""
+        longest_prompt tokens once, on dummy rows that own no pages (nothing is written), so that no later
+        request of such prompts that fills the pool waits on XLA (a request of fewer prompts runs a pool of as many
+        slots, compiled on first use): each admission's prefill (prompt bucket x rows, as live_plan's scheduler
+        groups them) and the call of rounds (of every gamma under "auto", whose round costs at the pool's size it
+        also measures or loads); greedy, or when `samples` the sampling build that rows of this `top_k` take (0:
+        the radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
+        either way). Returns how many prefill shapes ran."""
         temperature = 1.0 if samples else 0.0
         template = self.request([[0] * longest_prompt], 1, temperature=temperature, top_k=top_k)
         spec = self._build(template)
         prefill_spec, pool = self._prefill_build(spec), self.max_batch
-        params, steps = (self.target.params, self._draft_params), self._steps
-        state = steps.empty(*params, steps.put(live_plan.free_rows(template, pool, self.max_len)), spec=prefill_spec)
-        lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
-                          for n in range(shortest_prompt, longest_prompt + 1)})
-        shapes = 0
-        for length in lengths:
-            (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature, top_k=top_k),
-                                            self.max_len)
-            for rows in admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
-                admission = live_plan.stack([row] * rows, rows, self.max_len)
-                fresh, _ = steps.prefill(*params, steps.put(admission), spec=prefill_spec)
-                drop = np.full((rows,), pool, np.int32)  # every row dropped: the pool stays free
-                state = steps.insert(state, fresh, steps.put(drop))
-                shapes += 1
-        for call in self._calls():
-            state, packed = steps.rounds(*params, state, spec=dataclasses.replace(spec, gamma=call.gamma,
-                                                                                  flush=call.flush),
-                                         num_rounds=self.rounds_per_call)
-            steps.fetch(packed)
-        if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
-            self.round_costs(pool, 0.0, template)
+        params, steps, pages, width = (self.target.params, self._draft_params), self._steps, self.page_pool, \
+            self.table_width
+        pages.acquire()
+        try:
+            free = spec_round.Admission.unpaged(live_plan.free_rows(template, pool, self.max_len), width)
+            rows = steps.empty(*params, pages.arrays, steps.put(free), spec=prefill_spec)
+            lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
+                              for n in range(shortest_prompt, longest_prompt + 1)})
+            shapes = 0
+            for length in lengths:
+                (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature,
+                                                             top_k=top_k), self.max_len)
+                for count in admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
+                    admission = spec_round.Admission.unpaged(live_plan.stack([row] * count, count, self.max_len),
+                                                             width)
+                    fresh, _ = steps.prefill(*params, pages.arrays, steps.put(admission), spec=prefill_spec)
+                    fresh, pages.arrays = spec_round.split_pages(fresh)
+                    drop = np.full((count,), pool, np.int32)  # every row dropped: the pool stays free
+                    rows = steps.insert(rows, fresh, steps.put(drop))
+                    shapes += 1
+            for call in self._calls():  # every row is free (done): the calls write nothing
+                state = spec_round.with_pages(rows, pages.arrays)
+                state, packed = steps.rounds(*params, state, spec=dataclasses.replace(spec, gamma=call.gamma,
+                                                                                      flush=call.flush),
+                                             num_rounds=self.rounds_per_call)
+                rows, pages.arrays = spec_round.split_pages(state)
+                steps.fetch(packed)
+            if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
+                self.round_costs(pool, 0.0, template)
+        finally:
+            pages.release()
         return shapes
 
     @property
@@ -371,17 +427,23 @@ class Engine:
         """Seconds per call of rounds of `gamma` on a dummy pool of `batch` live rows at KV `length`, of the
         template request's build and widths (None: greedy, one stop id); not in `device_events`, which
         records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
-        of which flushes."""
+        of which flushes. The rows read the engine's own pages and write nothing (round_costs.timing_pool), so a
+        pool's sequences keep their keys; not while a pool runs on another thread."""
         template = template or self._greedy_template()
         if flush is None and gamma == 0 and self.auto and self._holds:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
-        rows = jax.device_put(live_plan.free_rows(template, batch, self.max_len))  # the executable a pool runs
-        state = jit_empty(self.target.params, self._draft_params, rows, spec=self._prefill_build(spec))
-        state = round_costs.timing_pool(state, length, self.target.config.vocab_size, self.max_len)
-        return round_costs.time_calls(lambda s: jit_rounds(self.target.params, self._draft_params, s, spec=spec,
-                                                           num_rounds=self.rounds_per_call), state)
+        params, pages = (self.target.params, self._draft_params), self.page_pool
+        free = spec_round.Admission.unpaged(live_plan.free_rows(template, batch, self.max_len), self.table_width)
+        rows = jit_empty(*params, pages.arrays, jax.device_put(free), spec=self._prefill_build(spec))
+        table = round_costs.timing_table(batch, pages.num_pages, self.table_width)
+        state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), jax.device_put(table), length,
+                                        self.target.config.vocab_size, self.max_len)
+        seconds, state = round_costs.time_calls(
+            lambda s: jit_rounds(*params, s, spec=spec, num_rounds=self.rounds_per_call), state)
+        _, pages.arrays = spec_round.split_pages(state)
+        return seconds
 
     @property
     def holds_pairs(self) -> bool:
@@ -421,41 +483,4 @@ class Engine:
                 yield event
         finally:
             pool.close()
-
-
-def slot_bytes(target: Target, drafter, max_len: int) -> int:
-    """Device bytes one slot of a pool holds: its target's and its proposer's (`drafter`, as Engine takes it)
-    KV caches at max_len, twice (an admission prefills into fresh caches beside the pool's before writing them
-    into their slots)."""
-    cfg = target.config
-    proposer, _ = proposer_lib.resolve(drafter)
-    per_row = 2 * cfg.num_layers * cfg.num_kv_heads * max_len * cfg.head_dim
-    per_row += proposer.row_bytes(max_len) if proposer is not None else 0
-    return 2 * per_row * target.params["embed"].dtype.itemsize
-
-
-def free_device_bytes() -> int:
-    """Free memory of the default device: the allocator's limit less what is in use where it reports them
-    (GPUs), else the host's available memory (the CPU backend allocates from it)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def pool_capacity(target: Target, drafter, max_len: int) -> int:
-    """The slots that fit in 90% of the device's free memory (`free_device_bytes`, `slot_bytes`)."""
-    return int(0.9 * free_device_bytes()) // slot_bytes(target, drafter, max_len)
-
-
-def _check_pool(max_batch, capacity: int, slot: int) -> int:
-    if max_batch is None:
-        if capacity < 1:
-            raise ValueError("not even one slot of max_len fits in the device's free memory: lower max_len")
-        return min(capacity, MAX_DEFAULT_BATCH)
-    if not is_int(max_batch) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
-    if max_batch > capacity:
-        raise ValueError(f"max_batch={max_batch} slots do not fit: {capacity} fit in the device's free memory "
-                         f"at {slot / 2**20:.1f} MiB a slot")
-    return int(max_batch)
+            self.preemptions += pool.preemptions

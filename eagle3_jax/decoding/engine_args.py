@@ -52,7 +52,7 @@ def check_exact(cfg, exact) -> None:
         raise ValueError(f"exact must be a bool, got {exact!r}")
     if not exact:
         return
-    if not kernels_lib.pallas_attention_supports(cfg.head_dim):
+    if not kernels_lib.invariant_attention_supports(cfg.head_dim):
         raise ValueError(f"exact=True needs a power-of-two head_dim >= 16 (its attention kernel), got {cfg.head_dim}")
     if cfg.moe is not None:
         raise ValueError("exact=True is for dense targets: the expert layers have no row-invariant kernels")
@@ -69,3 +69,18 @@ def _exact_shapes(cfg) -> None:
         f"input {k}" for k in (D, cfg.num_heads * H, I) if k < 16]
     if bad:
         raise ValueError(f"exact=True needs target weights with outputs a multiple of 16 and inputs >= 16: {bad}")
+
+
+def check_pages(kv_tokens, page_size, max_len: int) -> None:
+    """kv_tokens (None, or an int of at least max_len: one whole sequence must fit) and page_size (None, or a
+    positive int); checked before anything is allocated."""
+    if page_size is not None and (not is_int(page_size) or page_size < 1):
+        raise ValueError(f"page_size must be None or a positive int, got {page_size!r}")
+    if kv_tokens is not None and (not is_int(kv_tokens) or kv_tokens < max_len):
+        raise ValueError(f"kv_tokens must be None or an int of at least max_len={max_len} (one whole sequence "
+                         f"fits), got {kv_tokens!r}")
+
+
+def check_max_batch(max_batch) -> None:
+    if max_batch is not None and (not is_int(max_batch) or max_batch < 1):
+        raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")

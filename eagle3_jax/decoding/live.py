@@ -1,11 +1,13 @@
 """A live pool: an Engine's slots serving requests that arrive while it runs.
 
 `LivePool.submit` checks a prompt and its settings (ValueError before any device work) and queues it; a
-thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (free aborted rows,
-resize the pool, prefill admissions into their slots, dispatch a call of rounds) and reads the operations'
-transfers in the order they were dispatched, handing each request's tokens to its callback as its rounds
-complete. `abort` frees a request's slot at the next step. Callers never wait on the scheduler: submit and
-abort only queue, under a lock the scheduler holds for no device work.
+thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (stop aborted rows,
+resize the pool, stop preempted rows, prefill admissions into their slots' pages, load the page table, dispatch
+a call of rounds) and reads the operations' transfers in the order they were dispatched, handing each request's
+tokens to its callback as its rounds complete. `abort` frees a request's slot and pages at the next step.
+Callers never wait on the scheduler: submit and abort only queue, under a lock the scheduler holds for no device
+work. The pool holds its engine's KV pages (page_pool.py) from construction to `close`: one pool runs on an
+engine at a time.
 
 Requests of different settings share the pool: every row carries its own sampling settings (greedy rows with
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
@@ -31,15 +33,15 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from eagle3_jax.decoding import gamma_policy, slots
-from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, free_rows, live_row, stack
+from eagle3_jax.decoding import gamma_policy, slots, spec_round
+from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, free_rows, live_row
 from eagle3_jax.decoding.request import Request
 
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
 THREAD_STACK_BYTES = 256 * 2**20  # the pool thread's stack (reserved address space, committed only as used)
 
 jit_resize = jax.jit(slots.resize)
-jit_release = jax.jit(slots.release, donate_argnames=("state",))
+jit_release = jax.jit(slots.release, donate_argnames=("rows",))
 
 
 class LivePool:
@@ -62,9 +64,12 @@ class LivePool:
                 self._scheduler.size, length, self._cost_template()), holds=engine.holds_pairs)
         else:
             policy = gamma_policy.Fixed(engine.num_draft_tokens)
+        self._pages = engine.page_pool
+        self._pages.acquire()
         self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_tokens,
-                                        engine.rounds_per_call, policy, engine.drafter is not None, shrink, trace)
-        self._state = None
+                                        engine.rounds_per_call, policy, engine.drafter is not None, self._pages,
+                                        engine.table_width, engine.num_draft_tokens, shrink, trace)
+        self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
         self._queue: collections.deque = collections.deque()  # (kind, packed, gamma, owners) dispatched, unread
         self._lock = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", id, row, callback) or ("abort", id), in call order
@@ -78,6 +83,9 @@ class LivePool:
         try:
             self._thread = threading.Thread(target=self._run, name="eagle3-jax-live-pool", daemon=True)
             self._thread.start()
+        except BaseException:
+            self._pages.release()
+            raise
         finally:
             threading.stack_size(old)
 
@@ -150,6 +158,13 @@ class LivePool:
 
     def _run(self) -> None:
         try:
+            self._loop()
+        finally:
+            self._scheduler.close()  # every page back to the engine, whatever ended the pool
+            self._pages.release()
+
+    def _loop(self) -> None:
+        try:
             while True:
                 with self._lock:
                     events = self._take_inbox()
@@ -166,11 +181,11 @@ class LivePool:
                     self._queue.clear()
                     continue
                 in_flight = self._rounds_in_flight()
-                self._execute(self._scheduler.plan(in_flight))
+                self._execute(self._scheduler.plan(in_flight, idle=not self._queue))
                 if in_flight == 0 and len(self._queue) == 1 and self._queue[0][0] == "rounds":
                     # the call just dispatched is all in flight: the next may go ahead of reading it (the device
                     # then does not idle on the host), as the scheduler decides
-                    self._execute(self._scheduler.plan(1))
+                    self._execute(self._scheduler.plan(1, idle=False))
                 if not self._queue:  # running requests, and nothing planned for them: they would never finish
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
                 kind, packed, gamma, owners = self._queue.popleft()
@@ -195,36 +210,49 @@ class LivePool:
             if callback is not None:
                 callback(event)
 
+    @property
+    def preemptions(self) -> int:
+        """Sequences this pool preempted (their pages freed, recomputed later)."""
+        return self._scheduler.preemptions
+
     def _execute(self, step: Step) -> None:
-        engine, scheduler, steps = self.engine, self._scheduler, self.engine._steps
+        engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine._steps, self._pages
         params = (engine.target.params, engine._draft_params)
-        max_len = engine.max_len
-        if step.release and self._state is not None:
-            self._state = jit_release(self._state, steps.put(np.array(step.release, np.int32)))
+        if step.release and self._rows is not None:
+            self._rows = jit_release(self._rows, steps.put(np.array(step.release, np.int32)))
         if step.resize is not None:
-            if self._state is None:
+            if self._rows is None:
                 self._events.append(("allocate", (step.size,)))
-                template = free_rows(self.check([0], 1), step.size, max_len)
-                spec = engine._prefill_build(engine._build(template)) if self._always_sampling else engine.spec
-                self._state = steps.empty(*params, steps.put(template), spec=spec)
+                template = spec_round.Admission.unpaged(free_rows(self.check([0], 1), step.size, engine.max_len),
+                                                        engine.table_width)
+                spec = engine._prefill_build(engine._build(template.request)) if self._always_sampling else engine.spec
+                self._rows = steps.empty(*params, pages.arrays, steps.put(template), spec=spec)
             else:
-                self._state = jit_resize(self._state, steps.put(step.resize))
+                self._rows = jit_resize(self._rows, steps.put(step.resize))
+        if step.preempt:
+            self._rows = jit_release(self._rows, steps.put(np.array(step.preempt, np.int32)))
         for admission in step.admissions:
-            rows = stack([scheduler.requests[r].row for r in admission.requests], admission.rows, max_len)
-            sampled = self._always_sampling or bool(np.any(rows.sampling.temperature > 0))
-            spec = engine._prefill_build(engine._build(rows) if sampled else engine.spec)
+            request = scheduler.admission_request(admission)
+            sampled = self._always_sampling or bool(np.any(request.sampling.temperature > 0))
+            spec = engine._prefill_build(engine._build(request) if sampled else engine.spec)
             self._events.append(("prefill", ()))
-            fresh, packed = steps.prefill(*params, steps.put(rows), spec=spec)
+            rows = spec_round.Admission(request, admission.page_table, admission.resume_token, admission.generated)
+            fresh, packed = steps.prefill(*params, pages.arrays, steps.put(rows), spec=spec)
+            fresh, pages.arrays = spec_round.split_pages(fresh)
             targets = np.full((admission.rows,), step.size, np.int32)
             targets[: len(admission.slots)] = admission.slots
-            self._state = steps.insert(self._state, fresh, steps.put(targets))
+            self._rows = steps.insert(self._rows, fresh, steps.put(targets))
             owners = np.full((admission.rows,), -1, np.int64)
             owners[: len(admission.requests)] = admission.requests
             self._queue.append(("admit", packed, engine.num_draft_tokens, owners))
         if step.rounds is not None:
+            if step.page_table is not None:
+                self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
             sampled = step.sampling or self._always_sampling
             build = engine._build(scheduler.busy_settings()) if sampled else engine.spec
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
             self._events.append(("call", (engine.rounds_per_call,)))
-            self._state, packed = steps.rounds(*params, self._state, spec=spec, num_rounds=engine.rounds_per_call)
+            state = spec_round.with_pages(self._rows, pages.arrays)
+            state, packed = steps.rounds(*params, state, spec=spec, num_rounds=engine.rounds_per_call)
+            self._rows, pages.arrays = spec_round.split_pages(state)
             self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))

@@ -1,6 +1,6 @@
 """Prompt lookup (n-gram) drafting as a proposer (decoding/proposer.py): no weights, no features; its state is
 each row's token history, prompt and output, a fixed-width device array (`DecodeState.history` [B, max_len],
-x_0 .. x_n at positions 0 .. n, n = the target cache's length; later entries are stale), searched on the device
+x_0 .. x_n at positions 0 .. n, n = the row's committed length; later entries are stale), searched on the device
 inside the round's jitted scan.
 
 The rule, for a row whose newest token is x_n: for n-gram sizes k = max_ngram down to min_ngram, the first k
@@ -39,7 +39,6 @@ class PromptLookup:
     samples_drafts = False  # a token, never a distribution: proposal="sample" is proposal="argmax"
     capture_layers = ()  # reads no target features
     feature_width = 0
-    head_dims = ()
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram"):
@@ -52,11 +51,15 @@ class PromptLookup:
         object.__setattr__(self, "max_ngram", int(self.max_ngram))
         object.__setattr__(self, "min_ngram", int(self.min_ngram))
 
-    def row_bytes(self, max_len: int) -> int:
-        """No KV cache: the history's int32s are small beside the target's KV (counted as 0 elements)."""
+    def token_elements(self) -> int:
+        """No KV: the history's int32s are small beside the target's KV (counted as 0 elements)."""
         return 0
 
-    def prefill(self, dparams, tparams, spec, tokens, prompt_lengths, first, features) -> dict:
+    def new_pages(self, num_pages: int, page_size: int, dtype):
+        """No page pool of its own."""
+        return None
+
+    def prefill(self, dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> dict:
         """The history: the prompt, then the first token at position prompt length."""
         B, Tp = tokens.shape
         history = jnp.zeros((B, spec.max_len), jnp.int32).at[:, :Tp].set(tokens)
@@ -64,13 +67,13 @@ class PromptLookup:
 
     def propose(self, dparams, tparams, state, keys, spec):
         """(drafts [B, gamma], NO_DRAFT past each row's proposal; no q; no q ids; nothing to carry)."""
-        return lookup(state.history, state.target_cache.lengths, spec.gamma, self.max_ngram, self.min_ngram), \
+        return lookup(state.history, state.lengths, spec.gamma, self.max_ngram, self.min_ngram), \
             None, None, None
 
     def update(self, dparams, tparams, old, new, carry, choices, accepted, features, spec):
         """The round's committed tokens x_{n+1} .. x_{n+accepted+1} (choices[:accepted + 1]) appended to the
         history of each live row; the choices past them land past the new length, stale."""
-        n = old.target_cache.lengths
+        n = old.lengths
         at = n[:, None] + 1 + jnp.arange(choices.shape[1])[None, :]
         at = jnp.where(old.done[:, None], spec.max_len, at)  # a frozen row writes nothing (dropped)
         rows = jnp.arange(n.shape[0])[:, None]
@@ -79,7 +82,7 @@ class PromptLookup:
     def shadow(self, old, choices, num_emit, spec):
         """A plain round's evidence for "auto" (round_output's shadow columns): per row that emitted, whether
         the would-be first draft (none without a match: a miss) equals the token the round emitted, and 1."""
-        first = lookup(old.history, old.target_cache.lengths, 1, self.max_ngram, self.min_ngram)[:, 0]
+        first = lookup(old.history, old.lengths, 1, self.max_ngram, self.min_ngram)[:, 0]
         emitted = num_emit > 0
         return jnp.stack([emitted & (first == choices[:, 0]), emitted], axis=1).astype(jnp.int32)
 

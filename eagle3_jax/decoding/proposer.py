@@ -6,8 +6,9 @@ between proposers (the pool, "auto" gamma's held pairs and round costs, the trac
 A proposer is a frozen, hashable object (it is part of `StepSpec`, a static argument of the jitted steps);
 its weights, if any, travel beside the target's as the steps' `dparams`. The round calls, inside its jit:
 
-  prefill(dparams, tparams, spec, tokens, prompt_lengths, first, features) -> {DecodeState field: value}
-      its state for freshly prefilled rows (`features`: the prompt's captured target features, or None);
+  prefill(dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> {DecodeState field: value}
+      its state for freshly prefilled rows (`state`: theirs so far, its page table and page pools included;
+      `features`: the prompt's captured target features, or None);
   propose(dparams, tparams, state, keys, spec) -> (drafts [B, gamma], q or None, q_ids or None, carry)
       up to gamma drafts per row as target ids, NO_DRAFT (-1) past a row's proposal when `partial`; q the
       distribution sampled drafts were drawn from (None: one-hot at the draft) over the token ids q_ids
@@ -17,13 +18,13 @@ its weights, if any, travel beside the target's as the steps' `dparams`. The rou
       it updates its own fields of `new` (`features`: the verified tokens' target features, or None);
 
 and declares, as attributes: `capture_layers` (the target layers whose hidden states it reads; () for none),
-`feature_width`, `head_dims` (its attention's, for the kernel check), `partial` (it may propose fewer than
-gamma tokens), `samples_drafts` (proposal="sample" means something to it) and `row_bytes(max_len)` (the KV
-elements one slot of its cache holds). A proposer that reads features may also define
-`catch_up(dparams, tparams, state, held, spec) -> (state, matched [B, H])`, the rebuild over the pairs
-"auto"'s plain rounds held back (its `update` is then skipped at gamma 0); one that reads none has its `update`
-run every round and defines `shadow(old, choices, num_emit, spec) -> [B, 2]`, a plain round's evidence for
-"auto" (round_output's shadow columns).
+`feature_width`, `partial` (it may propose fewer than gamma tokens), `samples_drafts` (proposal="sample" means
+something to it), `token_elements()` (the KV elements one token takes in its page pool) and
+`new_pages(num_pages, page_size, dtype)` (its page pool, addressed by the target's page tables; None for
+none). A proposer that reads features may also define `catch_up(dparams, tparams, state, held, spec) -> (state,
+matched [B, H])`, the rebuild over the pairs "auto"'s plain rounds held back (its `update` is then skipped at
+gamma 0); one that reads none has its `update` run every round and defines `shadow(old, choices, num_emit, spec)
+-> [B, 2]`, a plain round's evidence for "auto" (round_output's shadow columns).
 """
 
 from __future__ import annotations

@@ -38,13 +38,13 @@ TIMED_CALLS = 3  # per entry, after one untimed call
 
 
 def margin(rounds_per_call: int, max_gamma: int) -> int:
-    """The KV positions the calls timing one entry can advance a row by (`time_calls`), and one to spare."""
-    return (TIMED_CALLS + 1) * rounds_per_call * (max_gamma + 1) + 1
+    """The KV positions a call of rounds can advance a row by, and one to spare: a measured length leaves them."""
+    return rounds_per_call * (max_gamma + 1) + 1
 
 
 def grid_lengths(max_len: int, room: int) -> list[int]:
     """The KV lengths a batch size is measured at: short, half and nearly full, each leaving `room`
-    positions (`margin`) for the calls that time it."""
+    positions (`margin`) for what a call's rounds add."""
     top = max(1, max_len - room)
     return sorted({max(1, min(top, x)) for x in (max_len // 16, max_len // 2, top)})
 
@@ -141,11 +141,20 @@ class RoundCosts:
             return {}
 
 
-def timing_pool(state, length: int, vocab_size: int, max_len: int):
-    """A pool state (spec_round.DecodeState, e.g. slots.empty's) turned into one whose every row is live at
-    KV `length`, with random newest tokens (so that expert routing spreads as real text's does), no stop ids
-    and room to run to max_len: what a timed call runs on. The caches' entries stay zeros: a call's cost
-    does not depend on their values."""
+def timing_table(batch: int, num_pages: int, width: int) -> np.ndarray:
+    """The page table [batch, width] of a timed pool: each row reads its own pages where the pool's num_pages
+    allow (rows wrap around them past that), so a call reads as many distinct bytes as a pool of sequences does.
+    The pages are whatever sequences hold: a timed call's rows write nothing (timing_pool)."""
+    return ((np.arange(batch)[:, None] * width + np.arange(width)[None, :]) % num_pages).astype(np.int32)
+
+
+def timing_pool(state, page_table, length: int, vocab_size: int, max_len: int):
+    """A pool state (spec_round.DecodeState: slots.empty's rows with the engine's pages) turned into one whose every
+    row sits at KV `length` over `page_table` (timing_table), with random newest tokens (so that expert routing
+    spreads as real text's does): what a timed call runs on. The rows are done: a call computes everything for
+    them as for live rows (its shapes are static; attention reads each row's keys up to its length) but writes
+    nothing into the pages, which may hold a live pool's sequences, and moves no row, so every timed call runs at
+    `length`."""
     B = state.done.shape[0]
 
     def lengths():  # one buffer per use: the call donates each
@@ -153,23 +162,24 @@ def timing_pool(state, length: int, vocab_size: int, max_len: int):
 
     return dataclasses.replace(
         state,
-        target_cache=state.target_cache.with_lengths(lengths()),
-        draft_cache=None if state.draft_cache is None else state.draft_cache.with_lengths(lengths()),
+        page_table=page_table,
+        lengths=lengths(),
+        draft_lengths=None if state.draft_lengths is None else lengths(),
         last_token=jax.random.randint(jax.random.key(length), (B,), 0, vocab_size, jnp.int32),
         num_generated=jnp.zeros((B,), jnp.int32),
         max_new=jnp.full((B,), max_len, jnp.int32),
         stop_ids=jnp.full(state.stop_ids.shape, -1, jnp.int32),
-        done=jnp.zeros((B,), bool),
+        done=jnp.ones((B,), bool),
     )
 
 
-def time_calls(run_call: Callable, state, calls: int = TIMED_CALLS) -> float:
-    """Seconds per call of `run_call(state) -> (state, packed)`: one untimed call first (it compiles, on
-    first use), then `calls` back to back, timed to the last one's output."""
+def time_calls(run_call: Callable, state, calls: int = TIMED_CALLS) -> tuple[float, object]:
+    """(seconds per call of `run_call(state) -> (state, packed)`, the last call's state): one untimed call first
+    (it compiles, on first use), then `calls` back to back, timed to the last one's output."""
     state, packed = run_call(state)
     jax.block_until_ready(packed)
     start = time.perf_counter()
     for _ in range(calls):
         state, packed = run_call(state)
     jax.block_until_ready(packed)
-    return (time.perf_counter() - start) / calls
+    return (time.perf_counter() - start) / calls, state

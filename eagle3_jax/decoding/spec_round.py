@@ -5,15 +5,20 @@ The round is the same for every proposer (decoding/proposer.py: EAGLE-3, eagle3_
 prompt_lookup.py), which proposes its drafts and keeps its own fields of the state; the round verifies,
 accepts, commits and reports (docs/proposers.md).
 
+The KV caches are page pools (models/kv_cache.py) shared by every row: `target_pages` and, with EAGLE-3,
+`draft_pages`, both addressed through each row's `page_table` row (the same page ids in both pools), which the
+host fills as the row grows (decoding/page_pool.py). Nothing but the pools is shared between rows.
+
 Invariants, per row b:
-  * the target cache holds committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
+  * the target's pages hold committed tokens x_0 .. x_{n-1} (n = lengths[b]); x_n, the newest token,
     is `last_token` and is not in any cache yet;
-  * with EAGLE-3, the drafter cache holds the pairs (g_t, x_{t+1}) for t < m, at positions t; `draft_hidden` is the
-    drafter's pre-norm output at position m - 1, from which d_1 comes. m = n, except after gamma-0 calls that
-    held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that drafts starts at m = n;
+  * with EAGLE-3, the drafter's pages hold the pairs (g_t, x_{t+1}) for t < m (m = draft_lengths[b]), at
+    positions t; `draft_hidden` is the drafter's pre-norm output at position m - 1, from which d_1 comes. m = n,
+    except after gamma-0 calls that held their pairs back (`DecodeState.held` keeps the n - m pairs): a call that
+    drafts starts at m = n;
   * with prompt lookup, `history` holds x_0 .. x_n at positions 0 .. n;
-  * a row that is done is frozen: nothing it owns changes any more, but for a flush's catch-up, which may
-    bring the drafter cache of a row that finished while pairs were held up to date (it emits nothing).
+  * a row that is done is frozen: nothing it owns changes any more, and it writes nothing into the pools (its
+    pages may already belong to another row once the host has read that it finished).
 A round with gamma = 0 is a plain decoding step (with a proposer that reads features, `spec_rounds` keeps
 its pairs; any other proposer is updated as in every round).
 
@@ -33,6 +38,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
@@ -43,7 +49,7 @@ from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.models.kv_cache import KVPages, Layout
 from eagle3_jax.parallel.collectives import Shards, Vocab
 
 
@@ -51,7 +57,7 @@ from eagle3_jax.parallel.collectives import Shards, Vocab
 @dataclasses.dataclass(frozen=True)
 class HeldPairs:
     """The pairs (g_t, x_{t+1}) committed by gamma-0 calls that did not bring the drafter up to date: row b
-    holds target_cache.lengths - draft_cache.lengths of them, from position draft_cache.lengths on."""
+    holds lengths - draft_lengths of them, from position draft_lengths on."""
 
     features: jax.Array  # [B, H, C] the target's features g_t
     tokens: jax.Array  # [B, H] int32 x_{t+1}
@@ -60,8 +66,11 @@ class HeldPairs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    target_cache: KVCache
-    draft_cache: KVCache | None  # EAGLE-3's
+    target_pages: KVPages  # the target's page pool, shared by every row (no batch axis)
+    draft_pages: KVPages | None  # EAGLE-3's, shared likewise
+    page_table: jax.Array  # [B, W] int32: row b's pages in both pools, -1 past what it owns
+    lengths: jax.Array  # [B] int32, n: the target's committed entries
+    draft_lengths: jax.Array | None  # [B] int32, m: EAGLE-3's committed pairs
     last_token: jax.Array  # [B] int32, x_n
     draft_hidden: jax.Array | None  # [B, D] EAGLE-3's drafter output at position n - 1
     num_generated: jax.Array  # [B] int32, tokens emitted so far
@@ -133,15 +142,57 @@ def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
     return num_emit, done
 
 
-def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
-    """A request (its arrays on the device; `request.sampling` set when spec.sampling) -> (DecodeState, the
-    first token packed as a round's output)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """The rows one prefill admits (its device input): new prompts, and sequences a preemption put back, whose
+    caches are rebuilt from their tokens so far (a recompute) with nothing drawn or emitted."""
+
+    request: Request  # tokens [M, T]: each row's sequence x_0 .. x_{n-1}; lengths n; settings
+    page_table: jax.Array  # [M, W] int32: the pages each row's n tokens go into (-1 past them; a padding row: all)
+    # [M] int32: a recompute's newest token x_n (not in any cache yet), -1 for a new prompt, whose first token
+    # prefill draws
+    resume_token: jax.Array
+    generated: jax.Array  # [M] int32: tokens the row has emitted already (0 for a new prompt)
+
+    @classmethod
+    def unpaged(cls, request: Request, width: int) -> Admission:
+        """The request's rows as new prompts owning no pages (host arrays): a template that fixes a pool's row
+        fields (slots.empty), or rows whose prefill writes nothing."""
+        rows = request.num_rows
+        return cls(request, np.full((rows, width), -1, np.int32), np.full((rows,), -1, np.int32),
+                   np.zeros((rows,), np.int32))
+
+
+def new_pages(spec: StepSpec, num_pages: int, page_size: int, dtype) -> tuple[KVPages, KVPages | None]:
+    """Zeroed page pools for a step of this spec: the target's and its proposer's (None without one of its own)."""
+    target = target_lib.new_pages(spec.target, num_pages, page_size, dtype)
+    return target, spec.proposer.new_pages(num_pages, page_size, dtype) if spec.proposer is not None else None
+
+
+def split_pages(state: DecodeState) -> tuple[DecodeState, tuple[KVPages, KVPages | None]]:
+    """(the state's per-row fields, its page pools): the slot operations (decoding/slots.py) touch rows only."""
+    return dataclasses.replace(state, target_pages=None, draft_pages=None), (state.target_pages, state.draft_pages)
+
+
+def with_pages(rows: DecodeState, pages: tuple[KVPages, KVPages | None]) -> DecodeState:
+    return dataclasses.replace(rows, target_pages=pages[0], draft_pages=pages[1])
+
+
+def prefill(tparams, dparams, pages: tuple[KVPages, KVPages | None], admission: Admission, *, spec: StepSpec):
+    """The admission's rows (its arrays on the device; `request.sampling` set when spec.sampling) prefilled into
+    the pools `pages` (target's, drafter's or None) -> (DecodeState of its M rows holding the updated pools, the
+    first tokens packed as a round's output). A new prompt's first token is drawn (emitted); a recompute's is its
+    resume token, and it emits nothing."""
+    request = admission.request
     tokens, prompt_lengths, sampling = request.tokens, request.lengths, request.sampling
-    B = tokens.shape[0]
+    B, T = tokens.shape
     dtype = tparams["embed"].dtype
-    cache = target_lib.new_cache(spec.target, B, spec.max_len, dtype)
-    hidden, cache, features = target_lib.forward(tparams, spec.target, tokens, cache, spec.capture_layers, spec.kernels,
-                                                 spec.tp)
+    zeros = jnp.zeros((B,), jnp.int32)
+    # Every token is written: a prompt's padding lands past its length (stale), in its last page or nowhere.
+    layout = Layout.uniform(admission.page_table, zeros, T)
+    hidden, target_pages, features = target_lib.forward(tparams, spec.target, tokens, pages[0], layout,
+                                                        spec.capture_layers, spec.kernels, spec.tp)
     rows = jnp.arange(B)
     logits = target_lib.logits(tparams, hidden[rows, prompt_lengths - 1])
     vocab = _vocab(spec)
@@ -151,29 +202,33 @@ def prefill(tparams, dparams, request: Request, *, spec: StepSpec):
         probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
-    own = {}
-    if spec.proposer is not None:
-        own = spec.proposer.prefill(dparams, tparams, spec, tokens, prompt_lengths, first, features)
+    resumed = admission.resume_token >= 0
+    first = jnp.where(resumed, admission.resume_token, first)
     held = None
     if spec.held:
         held = HeldPairs(jnp.zeros((B, spec.held, spec.proposer.feature_width), dtype),
                          jnp.zeros((B, spec.held), jnp.int32))
-    zeros = jnp.zeros((B,), jnp.int32)
     state = DecodeState(
-        target_cache=cache.with_lengths(prompt_lengths),
-        draft_cache=None,
+        target_pages=target_pages,
+        draft_pages=pages[1],
+        page_table=admission.page_table,
+        lengths=prompt_lengths,
+        draft_lengths=None,
         last_token=first,
         draft_hidden=None,
-        num_generated=zeros,
+        num_generated=admission.generated,
         max_new=request.max_new,
         stop_ids=request.stop_ids,
         done=prompt_lengths >= spec.max_len,  # no room for even one token
         sampling=sampling,
         held=held,
     )
-    state = dataclasses.replace(state, **own)
+    if spec.proposer is not None:
+        own = spec.proposer.prefill(dparams, tparams, spec, state, tokens, prompt_lengths, first, features)
+        state = dataclasses.replace(state, **own)
     num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
-    state = dataclasses.replace(state, num_generated=num_emit, done=done)
+    num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, state.done, done)
+    state = dataclasses.replace(state, num_generated=state.num_generated + num_emit, done=done)
     unused = jnp.zeros((B, spec.gamma), jnp.int32)  # same width as a round's output: one unpacking
     return state, round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused, num_emit, zeros, done)
 
@@ -216,7 +271,7 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
 
 def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
     """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None)."""
-    n = state.target_cache.lengths
+    n = state.lengths
     B, G, proposer = n.shape[0], spec.gamma, spec.proposer
     draft_q = q_ids = carry = None
     # The committed sequence may reach max_len: (n + accepted + 1) + 1 <= max_len.
@@ -237,8 +292,10 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
         drafts = jnp.zeros((B, 0), jnp.int32)
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
-        hidden, tcache, features = target_lib.forward(
-            tparams, spec.target, verify_tokens, state.target_cache, spec.capture_layers, spec.step_kernels, spec.tp
+        layout = Layout.uniform(state.page_table, n, verify_tokens.shape[1], ~state.done)
+        hidden, target_pages, features = target_lib.forward(
+            tparams, spec.target, verify_tokens, state.target_pages, layout, spec.capture_layers, spec.step_kernels,
+            spec.tp
         )
         logits = target_lib.logits(tparams, hidden, spec.step_kernels)
         choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
@@ -248,7 +305,8 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
     rows = jnp.arange(B)
     new_state = dataclasses.replace(
         state,
-        target_cache=tcache.with_lengths(new_length),
+        target_pages=target_pages,
+        lengths=new_length,
         last_token=jnp.where(live, choices[rows, accepted], state.last_token),
         num_generated=state.num_generated + num_emit,
         done=done,
@@ -285,7 +343,7 @@ def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rou
         return new, (packed, features[:, 0], new.last_token)
 
     end, (packed, features, tokens) = jax.lax.scan(plain, state, None, length=num_rounds)
-    behind = state.target_cache.lengths - state.draft_cache.lengths  # [B] pairs held before this call
+    behind = state.lengths - state.draft_lengths  # [B] pairs held before this call
     rows = jnp.arange(behind.shape[0])[:, None]
     at = behind[:, None] + jnp.arange(num_rounds)[None, :]  # a frozen row's extra pairs land past its count
     held = HeldPairs(state.held.features.at[rows, at].set(jnp.swapaxes(features, 0, 1), mode="drop"),
@@ -299,7 +357,7 @@ def _catch_up(tparams, dparams, state: DecodeState, packed, spec: StepSpec):
     instead of once per round). The same pass gives each held round's would-be first draft d_1; the last round's
     shadow columns count, per row, the held pairs whose token equals it (a sampled row's token equals an argmax
     draft d with probability p(d), the chance the round would have accepted it) and the held pairs."""
-    count = state.target_cache.lengths - state.draft_cache.lengths  # [B] held pairs
+    count = state.lengths - state.draft_lengths  # [B] held pairs
     caught_up, matched = spec.proposer.catch_up(dparams, tparams, state, state.held, spec)
     valid = jnp.arange(spec.held)[None, :] < count[:, None]
     shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)

@@ -13,10 +13,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models import kv_cache, weights
-from eagle3_jax.models.attention import attend, rotate_and_cache
+from eagle3_jax.models import weights
 from eagle3_jax.models.config import RopeConfig
+from eagle3_jax.models.kv_cache import KVPages, Layout, RowCache
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
+from eagle3_jax.models.paged_attention import attention_block
 from eagle3_jax.parallel import collectives
 from eagle3_jax.parallel.collectives import Shards
 
@@ -50,30 +51,42 @@ def abstract_params(cfg: DrafterConfig, dtype, with_embed: bool = False) -> dict
     return weights.abstract_params(weights.drafter_weights(cfg, with_embed=with_embed), dtype)
 
 
-def new_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
-    return kv_cache.KVCache.create(1, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+def new_pages(cfg: DrafterConfig, num_pages: int, page_size: int, dtype) -> KVPages:
+    """A page pool for the drafter's one layer of KV (kv_cache.KVPages)."""
+    return KVPages.create(1, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim, dtype)
 
 
-def forward(params, cfg: DrafterConfig, embed, h, tokens, cache: kv_cache.KVCache, kernels: str,
+def new_row_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> RowCache:
+    """The drafter's KV for `batch` sequences of up to `capacity` pairs with no allocator (kv_cache.RowCache)."""
+    return RowCache.create(1, batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def forward(params, cfg: DrafterConfig, embed, h, tokens, pages: KVPages, layout: Layout, kernels: str,
             tp: Shards | None = None):
-    """One drafter pass over T pairs (h_t, token_{t+1}) at positions cache.lengths + t.
+    """One drafter pass over the layout's pairs (h_t, token_{t+1}), tokens [B, T] at the layout's positions.
 
     h [B, T, D] is either `project_features` of target features or the drafter's own carried hidden.
-    Returns the pre-norm output hidden [B, T, D] and the cache with the new K/V written (lengths
-    unchanged: the caller commits).
+    Returns the pre-norm output hidden [B, T, D] and the pages with the new K/V written where the layout says
+    (the caller commits by advancing lengths).
     """
-    T = tokens.shape[1]
+    B, T = tokens.shape
 
-    def cached_attention(qkv, cos, sin):
-        q, k_buf, v_buf = rotate_and_cache(
-            qkv, cos, sin, cache.k[0], cache.v[0], cache.lengths, num_heads=cfg.num_heads,
+    def paged_attention(qkv, cos, sin):
+        out, k_pages, v_pages = attention_block(
+            qkv, cos, sin, pages.k[0], pages.v[0], layout, num_heads=cfg.num_heads,
             q_norm=params["q_norm"] if cfg.qk_norm else None, k_norm=params["k_norm"] if cfg.qk_norm else None,
             eps=cfg.rms_norm_eps, kernels=kernels,
         )
-        return attend(q, k_buf, v_buf, cache.lengths, kernels), kv_cache.KVCache((k_buf,), (v_buf,), cache.lengths)
+        return out, KVPages((k_pages,), (v_pages,))
 
-    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    return layer(params, cfg, embed, h, tokens, positions, cached_attention, kernels, tp)
+    return layer(params, cfg, embed, h, tokens, layout.positions.reshape(B, T), paged_attention, kernels, tp)
+
+
+def forward_rows(params, cfg: DrafterConfig, embed, h, tokens, cache: RowCache, kernels: str):
+    """`forward` of pairs after each row's in a row cache (no allocator): (hidden, the cache with their K/V
+    written, lengths unchanged)."""
+    out, pages = forward(params, cfg, embed, h, tokens, cache.pages, cache.layout(tokens.shape[1]), kernels)
+    return out, cache.written(pages)
 
 
 def layer(params, cfg: DrafterConfig, embed, h, tokens, positions, attention, kernels: str,
@@ -128,16 +141,18 @@ def to_target_id(params, draft_id) -> jax.Array:
     return (draft_id + params["d2t"][draft_id]).astype(jnp.int32)
 
 
-def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCache, gamma: int, kernels: str,
-                propose=None, tp: Shards | None = None):
-    """gamma drafts from hidden [B, D], the pre-norm output at the newest committed pair.
+def draft_chain(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_table, lengths, gamma: int,
+                kernels: str, propose=None, write=None, tp: Shards | None = None):
+    """gamma drafts from hidden [B, D], the pre-norm output at the newest committed pair, for rows whose drafter
+    has `lengths` [B] committed pairs in the pages of page_table [B, W].
 
     d_1 comes straight from `hidden`; step k >= 2 feeds (carried hidden, d_{k-1}) at position
     lengths + k - 2. A lax.scan, so the choice never leaves the device. Drafts are greedy (argmax) unless
     `propose(logits [B, Vd] float32, step)` is given: it returns (draft ids [B], q [B, Vd]), the draft
     vocabulary ids it drew and the distribution it drew them from, which sampled speculation needs.
-    Returns drafts [B, gamma] (target ids), with `propose` also q [B, gamma, Vd], and the cache holding
-    the speculative entries (lengths unchanged: they are discarded by the rebuild after verify).
+    write [B] bool: the rows whose speculative entries are written (None: every row).
+    Returns drafts [B, gamma] (target ids), with `propose` also q [B, gamma, Vd], and the pages holding the
+    speculative entries past each row's committed pairs (stale: the rebuild after verify overwrites them).
     """
     def choose(h, step):
         if propose is None:
@@ -149,16 +164,16 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, cache: kv_cache.KVCac
 
     def step(carry, k):
         h, token, buf = carry
-        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf.with_lengths(cache.lengths + k), kernels,
-                           tp)
+        layout = Layout.uniform(page_table, lengths + k, 1, write)
+        out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf, layout, kernels, tp)
         out = out[:, 0]
         nxt, q = choose(out, k + 1)
         return (carried(params, cfg, out), nxt, buf), (nxt, q)
 
-    (_, _, cache_out), (rest, rest_q) = jax.lax.scan(step, (carried(params, cfg, hidden), first, cache),
+    (_, _, pages_out), (rest, rest_q) = jax.lax.scan(step, (carried(params, cfg, hidden), first, pages),
                                                      jnp.arange(gamma - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
     if propose is None:
-        return drafts, cache_out.with_lengths(cache.lengths)
+        return drafts, pages_out
     q = jnp.concatenate([first_q[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
-    return drafts, q, cache_out.with_lengths(cache.lengths)
+    return drafts, q, pages_out

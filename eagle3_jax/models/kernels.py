@@ -1,9 +1,10 @@
 """Which implementation runs the hot ops of a step: attention, and the small ops around it.
 
   "xla"     plain jnp everywhere: the reference, and the CPU default
-  "pallas"  the Pallas kernels of `pallas_kernels/`: attention, and the small ops between the matmuls
-            fused (residual add + RMSNorm; q/k norm + RoPE + KV-cache write); the GPU default. The
-            matmuls stay XLA's: two Pallas matmuls measured no faster (BENCHMARKS.md).
+  "pallas"  the Pallas kernels of `pallas_kernels/`: paged attention (the Mosaic GPU kernel on Hopper, for
+            the operands it takes; XLA's path elsewhere), the residual add + RMSNorm fused, and a Qwen3-MoE
+            layer's routed experts; the GPU default. The matmuls stay XLA's: two Pallas matmuls measured no
+            faster (BENCHMARKS.md).
 
 The model functions also take ABLATION, Pallas attention with XLA's small ops, which the benchmark uses
 to measure what the fused kernels bring; Engine and the CLI offer only CHOICES.
@@ -11,10 +12,11 @@ They also take EXACT, which `Engine(exact=True)` gives the target's decode and v
 the drafter keep the engine's choice): every op's result for a token is bit-identical whether the token is
 computed alone (decode, T = 1) or among T tokens (verify), at any batch size. The matmuls, lm_head
 included, take pallas_kernels.skinny_matmul (fixed row tiles and K order), attention takes
-pallas_kernels.invariant_attention (key runs set by the query's own position), and the residual add +
-RMSNorm and q/k norm + RoPE + cache write take the fused Pallas kernels, which compute each token in
-programs of their own. What stays in XLA is elementwise (SiLU product, RoPE tables) or exact (the
-embedding gather, argmax). Few rows only: a skinny matmul unrolls one dot per 16 rows.
+pallas_kernels.invariant_attention over each row's pages gathered (key runs set by the query's own position),
+and the residual add + RMSNorm takes the fused Pallas kernel, which computes each token in programs of its
+own. What stays in XLA is per token (q/k norm, RoPE and the page write: each token's rows alone), elementwise
+(SiLU product, RoPE tables) or exact (the embedding gather, argmax). Few rows only: a skinny matmul unrolls one
+dot per 16 rows.
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
 """
 
@@ -27,23 +29,21 @@ ABLATION = "pallas_attention"
 EXACT = "exact"
 
 
-def check(kernels: str, *head_dims: int) -> str:
-    """kernels, validated against the head_dims of the models it will run."""
+def check(kernels: str) -> str:
+    """kernels, validated (attention takes the XLA path for the operands its kernel does not take)."""
     if kernels not in CHOICES:
         raise ValueError(f"kernels must be one of {CHOICES}, got {kernels!r}")
-    if kernels != "xla" and not all(pallas_attention_supports(h) for h in head_dims):
-        raise ValueError(f"kernels={kernels!r} needs power-of-two head_dims >= 16, got {head_dims}")
     return kernels
 
 
-def default(*head_dims: int) -> str:
-    """Pallas on GPU when the attention kernels support every head_dim given, XLA elsewhere."""
-    on_gpu = jax.default_backend() == "gpu"
-    return "pallas" if on_gpu and all(pallas_attention_supports(h) for h in head_dims) else "xla"
+def default() -> str:
+    """Pallas on a GPU, XLA elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def pallas_attention_supports(head_dim: int) -> bool:
-    """The attention kernels' Triton block shapes need a power-of-two head_dim of at least 16 (Qwen3: 128)."""
+def invariant_attention_supports(head_dim: int) -> bool:
+    """The exact path's attention kernel's Triton block shapes need a power-of-two head_dim of at least 16
+    (Qwen3: 128)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 

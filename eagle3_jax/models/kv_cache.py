@@ -1,48 +1,132 @@
-"""KV caches: immutable per-layer buffers plus a per-sequence length.
+"""Paged KV caches: a model's keys and values live in one pool of pages shared by every sequence, and a
+sequence finds its keys through its row of a page table.
 
-Rewinding is setting `lengths`; entries past a row's length are never read, so nothing is cleared.
-The layout is [B, K, S, H] (batch, KV heads, capacity, head_dim): each (row, KV head) is one contiguous
-block, which is what the attention kernels stream.
+A layer's pages are k, v [K, P, page_size, H] (KV-head major: one (head, page) is one contiguous block, one
+TMA in the Hopper kernel; pallas_kernels/ragged_paged_attention.py). Key j of a sequence sits in page
+page_table[s, j // page_size], slot j % page_size; a table entry of -1 is a page the sequence does not own
+(nothing is written there, and a read of it sees page 0, whose keys only queries past the sequence's keys
+would see). The pool is an immutable buffer carried through the jitted steps: a step returns it with the new
+tokens' K/V written, and a sequence is rewound by lowering its length, never by clearing.
+
+`Layout` says where a forward's tokens go: one flat batch of N tokens in S sequences, sequence s owning tokens
+cu_q_lens[s] .. cu_q_lens[s + 1] - 1, each at its own position, each written (or not) at that position of its
+sequence's pages. A batch of B rows of T tokens each (decode, verify, a padded prefill) is `Layout.uniform`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, K, S, H]
-    v: tuple[jax.Array, ...]  # per layer [B, K, S, H]
-    lengths: jax.Array  # [B] int32: committed entries per row
+class KVPages:
+    """One model's page pool: per layer k, v [K, P, page_size, H]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
-    def capacity(self) -> int:
+    def page_size(self) -> int:
         return self.k[0].shape[2]
 
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
     @classmethod
-    def create(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype) -> "KVCache":
-        shape = (batch, num_kv_heads, capacity, head_dim)
-        # Distinct buffers per layer (not one broadcast) so each can be donated and updated in place.
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            lengths=jnp.zeros((batch,), jnp.int32),
-        )
-
-    def with_lengths(self, lengths: jax.Array) -> "KVCache":
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+    def create(cls, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+               dtype) -> KVPages:
+        shape = (num_kv_heads, num_pages, page_size, head_dim)
+        # Distinct zeroed buffers per layer (not one broadcast), so each is donated and updated in place, and a
+        # slot no token wrote holds a finite value for the kernels' whole-block reads.
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
 
-def write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes new [B, T, K, H] into buffer [B, K, S, H] at positions [B, T].
+def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes one token's K and V take in a pool of these dimensions."""
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
-    Positions at or past the capacity are dropped, never clamped: a clamped write would shift the
-    entries and overwrite committed ones. Callers never accept a token whose K/V was dropped.
-    """
-    rows = jnp.arange(buffer.shape[0])[:, None]
-    return buffer.at[rows, :, positions].set(new.astype(buffer.dtype), mode="drop")
+
+def table_width(max_len: int, page_size: int, tail: int) -> int:
+    """Page-table columns for sequences of up to max_len tokens whose steps may reach `tail` positions further
+    (a round's drafts past a row's room): every position a step's queries sit at has a column, so a kernel's
+    reads never pass the table's row."""
+    return -(-(max_len + tail) // page_size)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("page_table", "kv_lens", "cu_q_lens", "positions",
+                                                                  "seq", "write_positions"),
+                   meta_fields=("max_q_len",))
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A forward's N tokens in S sequences over paged KV (the module docstring)."""
+
+    page_table: jax.Array  # [S, W] int32, -1 where the sequence owns no page
+    kv_lens: jax.Array  # [S] int32: keys of each sequence once this forward's tokens are in, theirs included
+    cu_q_lens: jax.Array  # [S + 1] int32: sequence s owns tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1
+    positions: jax.Array  # [N] int32: each token's position (RoPE, causality): kv_len - q_len + its index
+    seq: jax.Array  # [N] int32: each token's sequence (S: none)
+    write_positions: jax.Array  # [N] int32: where each token's K/V are written, -1: not written
+    max_q_len: int  # static: at least every sequence's q_len (the kernel's tile plan)
+
+    @classmethod
+    def uniform(cls, page_table, start, num_tokens: int, write=None) -> Layout:
+        """B rows of T = num_tokens tokens each, row b's at positions start[b] .. start[b] + T - 1; write [B]
+        bool: the rows whose K/V are written (None: every row). A row not written still attends (its result is
+        never used): a finished row's pages may already belong to another sequence."""
+        B, T = start.shape[0], num_tokens
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        written = positions if write is None else jnp.where(write[:, None], positions, -1)
+        return cls(page_table, (start + T).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T,
+                   positions.reshape(-1), jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
+                   written.reshape(-1), max_q_len=T)
+
+    @property
+    def read_table(self) -> jax.Array:
+        """The page table as attention reads it: unowned entries (-1) at page 0, so every read is in the pool."""
+        return jnp.maximum(self.page_table, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowCache:
+    """A fixed batch's KV over pages each row owns outright (row b: pages b W .. b W + W - 1) and its lengths:
+    the forward of whole sequences with no allocator (training's target features, pre-training, the golden tests,
+    the benches' timed steps). `layout(T)` places T new tokens a row after each row's keys; the caller commits
+    them with `with_lengths`."""
+
+    pages: KVPages
+    table: jax.Array  # [B, W] int32
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype,
+               page_size: int = 16) -> RowCache:
+        """Zeroed pages for `batch` rows of up to `capacity` tokens, none in use."""
+        width = -(-capacity // page_size)
+        pages = KVPages.create(num_layers, batch * width, num_kv_heads, page_size, head_dim, dtype)
+        return cls.over(pages, batch, jnp.zeros((batch,), jnp.int32))
+
+    @classmethod
+    def over(cls, pages: KVPages, batch: int, lengths) -> RowCache:
+        """A row cache over given pages (batch x W of them), `lengths` in use."""
+        width = pages.num_pages // batch
+        table = jnp.asarray(np.arange(batch * width, dtype=np.int32).reshape(batch, width))
+        return cls(pages, table, jnp.asarray(lengths, jnp.int32))
+
+    def layout(self, num_tokens: int) -> Layout:
+        return Layout.uniform(self.table, self.lengths, num_tokens)
+
+    def written(self, pages: KVPages) -> RowCache:
+        """This cache with a forward's pages (lengths unchanged)."""
+        return dataclasses.replace(self, pages=pages)
+
+    def with_lengths(self, lengths) -> RowCache:
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))

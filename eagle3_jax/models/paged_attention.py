@@ -1,14 +1,16 @@
-"""Attention over a paged KV cache (the model's entry, `attend`, and the XLA path), and the write of
-new tokens into pages.
+"""Attention over paged KV (models/kv_cache.py): the model's attention block (`attention_block`: q/k norm,
+RoPE, the new tokens' K/V written into their pages, attention), its entry that picks the kernel (`attend`),
+and the XLA path.
 
-A layer's pages are k_pages, v_pages [K, P, page_size, H] (KV-head major: why, in
-pallas_kernels/ragged_paged_attention.py); sequence s's key j sits in page page_table[s, j //
-page_size] at slot j % page_size. A step's queries are one flat batch of T tokens: sequence s owns
-tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1, and query i of it sits at position kv_len[s] - q_len[s]
-+ i (kv_lens count the new tokens). This module computes the same thing as the Mosaic GPU kernel in
-plain jnp, for the CPU and GPUs other than Hopper, and is the kernel's test oracle beside the dense
-reference (pallas_kernels.reference.paged_attention_reference). The writes are XLA scatters only:
-a Mosaic GPU form of pallas_kernels.rope_cache_write for pages does not exist yet.
+A step's queries are one flat batch of N tokens (kv_cache.Layout): sequence s owns tokens cu_q_lens[s] ..
+cu_q_lens[s + 1] - 1, query i of it sits at kv_len[s] - q_len[s] + i (kv_lens count the new tokens) and sees
+its sequence's keys up to there. On a Hopper GPU the Mosaic GPU kernel (pallas_kernels/ragged_paged_attention.py)
+runs it; everywhere else the XLA path here computes the same thing in plain jnp (the CPU tests, other GPUs), and
+is the kernel's test oracle beside the dense reference (pallas_kernels.reference.paged_attention_reference).
+With `Engine(exact=True)`'s kernels (EXACT), each row's pages are gathered into one contiguous cache for
+pallas_kernels.invariant_attention, whose result for a query does not depend on the batch around it.
+With the fused Pallas kernels the q/k norm, RoPE and page write are one kernel (pallas_kernels.rope_page_write),
+else XLA's ops and scatters (write_pages).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.models.attention import _widen_on_cpu
+from eagle3_jax.models.kv_cache import Layout
 from eagle3_jax.models.layers import apply_rope, rms_norm
 
 
@@ -27,7 +29,7 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -
     (no sequence) and position -1, which write_pages drops."""
     S = kv_lens.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="scan_unrolled").astype(jnp.int32) - 1
     real = token < cu_q_lens[-1]
     seq = jnp.clip(seq, 0, S - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
@@ -60,33 +62,62 @@ def write_pages(k_pages, v_pages, page_table, seq, positions, k, v):
             v_pages.at[at].set(v.astype(v_pages.dtype), mode="drop"))
 
 
-def rotate_and_write_pages(qkv, cos, sin, k_pages, v_pages, page_table, seq, positions, *, num_heads: int,
-                           q_norm, k_norm, eps: float):
-    """The fused q/k/v projection of a flat batch [T, (N + 2K) H] -> (q [T, N, H], k_pages, v_pages).
+def attention_block(qkv, cos, sin, k_pages, v_pages, layout: Layout, *, num_heads: int, q_norm, k_norm,
+                    eps: float, kernels: str):
+    """The fused q/k/v projection of the layout's tokens [B, T, (N + 2K) H] (B T = the layout's N tokens) ->
+    (attention's output [B, T, N, H], k_pages, v_pages with the tokens' K/V written).
 
-    q and k are RMS-normalised per head when q_norm and k_norm are given (Qwen3 layers), then
-    rotated by RoPE (cos, sin [T, H], each token's own position); k and v go into the pages at
-    (seq, positions) as write_pages puts them. The paged form of attention.rotate_and_cache.
+    q and k are RMS-normalised per head when q_norm and k_norm are given (Qwen3 layers), then rotated by RoPE
+    (cos, sin [B, T, H], each token's own position); k and v go into the pages at the layout's write positions.
+    With the fused Pallas kernels that is one kernel (pallas_kernels.rope_page_write), else XLA's ops.
     """
-    T = qkv.shape[0]
+    B, T, F = qkv.shape
     N, K, H = num_heads, k_pages.shape[0], k_pages.shape[3]
-    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
-    q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    q, k = apply_rope(q[None], cos[None], sin[None])[0], apply_rope(k[None], cos[None], sin[None])[0]
-    return (q, *write_pages(k_pages, v_pages, page_table, seq, positions, k, v))
+    if kernels_lib.fused_in_pallas(kernels) and H & (H - 1) == 0 and H >= 4:
+        q, k_pages, v_pages = pallas_kernels.rope_page_write(
+            qkv.reshape(B * T, F), cos.reshape(B * T, H), sin.reshape(B * T, H), k_pages, v_pages, layout.page_table,
+            layout.seq, layout.write_positions, num_heads=N, q_norm=q_norm, k_norm=k_norm, eps=eps,
+            interpret=kernels_lib.interpret())
+        q = q.reshape(B, T, N, H)
+    else:
+        q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_pages(k_pages, v_pages, layout.page_table, layout.seq, layout.write_positions,
+                                       k.reshape(B * T, K, H), v.reshape(B * T, K, H))
+    if kernels_lib.exact(kernels):
+        out = _invariant(q, k_pages, v_pages, layout)
+    else:
+        out = attend(q.reshape(B * T, N, H), k_pages, v_pages, layout.read_table, layout.kv_lens, layout.cu_q_lens,
+                     max_q_len=layout.max_q_len, kernels=kernels).reshape(B, T, N, H)
+    return out, k_pages, v_pages
+
+
+def _invariant(q, k_pages, v_pages, layout: Layout):
+    """EXACT's attention of q [B, T, N, H], B rows of T tokens each (a uniform layout): each row's pages gathered
+    into a contiguous cache [B, K, W page_size, H] for pallas_kernels.invariant_attention, whose partition of a
+    query's keys depends on the query's position alone."""
+    B, T = q.shape[:2]
+    K, _, page_size, H = k_pages.shape
+    table = layout.read_table
+    W = table.shape[1]
+
+    def rows(pages):
+        return jnp.moveaxis(pages[:, table], 0, 1).reshape(B, K, W * page_size, H)
+
+    start = layout.kv_lens - T
+    return pallas_kernels.invariant_attention(q, rows(k_pages), rows(v_pages), start, scale=q.shape[-1] ** -0.5,
+                                              interpret=kernels_lib.interpret())
 
 
 def attend(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, max_q_len: int, kernels: str) -> jax.Array:
     """Ragged paged attention of q [T, N, H] -> [T, N, H]: the Mosaic GPU kernel where it runs
-    (uses_paged_kernel), the XLA path everywhere else.
-
-    EXACT (Engine(exact=True)) is refused: neither path is batch-invariant (the kernel's split count
-    follows the batch), and a paged form of pallas_kernels.invariant_attention does not exist yet.
-    """
+    (uses_paged_kernel), the XLA path everywhere else. page_table: every entry a page of the pool (the layout's
+    read_table). The EXACT kernels take `attention_block`'s own path (a uniform batch), not this one."""
     if kernels_lib.exact(kernels):
-        raise ValueError(f"kernels={kernels!r}: batch-invariant paged attention is not implemented")
+        raise ValueError(f"kernels={kernels!r}: batch-invariant attention runs through attention_block")
     scale = q.shape[-1] ** -0.5
     if uses_paged_kernel(q, k_pages, v_pages, max_q_len=max_q_len, kernels=kernels, on_hopper=kernels_lib.hopper()):
         return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale,
@@ -107,7 +138,7 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
 
     Each sequence's pages are gathered into a [K, pages_per_seq * page_size, H] cache and its
     queries into max_q_len rows (max_q_len bounds every q_len: static, as for the kernel); scores
-    and softmax in float32, probabilities cast to q's dtype (attention.xla_attention's rounding).
+    and softmax in float32, probabilities cast to q's dtype.
     Keys past kv_len are masked and their V zeroed, so any page-table entry or slot past a
     sequence's keys is harmless. Tokens past cu_q_lens[-1] get zeros.
     """
@@ -126,7 +157,7 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
     key = jnp.arange(L, dtype=jnp.int32)[None, None, :]
     visible = (key <= position[:, :, None]) & (key < kv_lens[:, None, None])  # [S, Q, L]
     v = jnp.where((jnp.arange(L)[None, :] < kv_lens[:, None])[None, :, :, None], v, 0)
-    qs, k, v = (_widen_on_cpu(x) for x in (qs, k, v))
+    qs, k, v = (widen_on_cpu(x) for x in (qs, k, v))
     scores = jnp.einsum("sqkgh,ksth->skgqt", qs, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -137,3 +168,10 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
     real, seq = seq < S, jnp.minimum(seq, S - 1)
     local = jnp.clip(jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq], 0, max_q_len - 1)
     return jnp.where(real[:, None, None], out[seq, local], 0).astype(dtype)
+
+
+def widen_on_cpu(x: jax.Array) -> jax.Array:
+    """XLA:CPU has no batched bf16/f16 dot with a float32 result ("Unsupported element type for DotThunk"), so
+    there the 16-bit operands are widened to float32 first: exact, and the same float32 products and sums the
+    GPU's dot computes."""
+    return x.astype(jnp.float32) if jax.default_backend() == "cpu" and x.dtype.itemsize < 4 else x

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache, moe, weights
-from eagle3_jax.models.attention import attend, rotate_and_cache
 from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.models.kv_cache import KVPages, Layout
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
+from eagle3_jax.models.paged_attention import attention_block
 from eagle3_jax.parallel import collectives
 from eagle3_jax.parallel.collectives import Shards
 
@@ -32,54 +33,70 @@ def abstract_params(cfg: Qwen3Config, dtype) -> dict:
     return weights.abstract_params(weights.target_weights(cfg), dtype)
 
 
-def new_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
-    return kv_cache.KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+def new_pages(cfg: Qwen3Config, num_pages: int, page_size: int, dtype) -> KVPages:
+    """A page pool for this target's KV (kv_cache.KVPages)."""
+    return KVPages.create(cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim, dtype)
 
 
-def _attention(layer, cfg: Qwen3Config, normed, cos, sin, k_buf, v_buf, start, kernels, tp):
-    """Self-attention of the normed residual stream; returns its output projection and the caches."""
+def new_row_cache(cfg: Qwen3Config, batch: int, capacity: int, dtype) -> kv_cache.RowCache:
+    """KV for `batch` sequences of up to `capacity` tokens with no allocator (kv_cache.RowCache)."""
+    return kv_cache.RowCache.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def attention_layer(layer, cfg: Qwen3Config, normed, cos, sin, k_pages, v_pages, layout: Layout, kernels, tp):
+    """Self-attention of one layer over the normed residual stream [B, T, D]; returns its output projection
+    (summed across a tensor-parallel mesh) and the layer's pages with the new tokens' K/V."""
     B, T, _ = normed.shape
-    q, k_buf, v_buf = rotate_and_cache(
-        linear(normed, layer["wqkv"], kernels), cos, sin, k_buf, v_buf, start, num_heads=cfg.num_heads,
+    out, k_pages, v_pages = attention_block(
+        linear(normed, layer["wqkv"], kernels), cos, sin, k_pages, v_pages, layout, num_heads=cfg.num_heads,
         q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=cfg.rms_norm_eps, kernels=kernels,
     )
-    out = attend(q, k_buf, v_buf, start, kernels)
     projected = linear(out.reshape(B, T, cfg.num_heads * cfg.head_dim), layer["wo"], kernels)
-    return collectives.all_reduce(projected, tp), k_buf, v_buf
+    return collectives.all_reduce(projected, tp), k_pages, v_pages
 
 
 def forward(
     params: Params,
     cfg: Qwen3Config,
     tokens: jax.Array,
-    cache: kv_cache.KVCache,
+    pages: KVPages,
+    layout: Layout,
     capture_layers: tuple[int, ...] = (),
     kernels: str = "xla",
     tp: Shards | None = None,
 ):
-    """Runs tokens [B, T] at positions cache.lengths + t, writing their K/V into the cache.
+    """Runs tokens [B, T] (the layout's N = B T tokens, row-major) at the layout's positions, writing their K/V
+    into the pages where the layout says.
 
-    Returns (hidden [B, T, D] after the final norm, cache with the new K/V but the same lengths:
-    the caller commits by setting lengths, features [B, T, len(capture_layers) * D] or None).
-    The features are the residual stream entering each capture layer, concatenated in order.
+    Returns (hidden [B, T, D] after the final norm, the pages with the new K/V, features
+    [B, T, len(capture_layers) * D] or None). The features are the residual stream entering each capture layer,
+    concatenated in order. The caller commits tokens by advancing its sequences' lengths.
     """
-    hidden, cache, features, _ = _run(params, cfg, tokens, cache, capture_layers, kernels, tp)
-    return hidden, cache, features
+    hidden, pages, features, _ = _run(params, cfg, tokens, pages, layout, capture_layers, kernels, tp)
+    return hidden, pages, features
 
 
-def expert_ids(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: kv_cache.KVCache,
+def forward_rows(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: kv_cache.RowCache,
+                 capture_layers: tuple[int, ...] = (), kernels: str = "xla", tp: Shards | None = None):
+    """`forward` of tokens [B, T] after each row's keys in a row cache (no allocator): (hidden, the cache with
+    their K/V written, lengths unchanged, features)."""
+    hidden, pages, features = forward(params, cfg, tokens, cache.pages, cache.layout(tokens.shape[1]), capture_layers,
+                                      kernels, tp)
+    return hidden, cache.written(pages), features
+
+
+def expert_ids(params: Params, cfg: Qwen3Config, tokens: jax.Array, pages: KVPages, layout: Layout,
                kernels: str = "xla") -> tuple[jax.Array, ...]:
     """The experts each token of tokens [B, T] is routed to, per sparse layer in order: [B T, k] int32
     each. What a step of these tokens reads, for the benchmark's floors."""
-    return _run(params, cfg, tokens, cache, (), kernels, None)[3]
+    return _run(params, cfg, tokens, pages, layout, (), kernels, None)[3]
 
 
-def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels, tp):
+def _run(params, cfg: Qwen3Config, tokens, pages: KVPages, layout: Layout, capture_layers, kernels, tp):
     """forward, plus the sparse layers' routing (XLA drops it where the caller does not use it)."""
-    T = tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    B, T = tokens.shape
     x = collectives.embed(params["embed"], tokens, tp)
-    cos, sin = rope_tables(positions, cfg.rope, x.dtype)
+    cos, sin = rope_tables(layout.positions.reshape(B, T), cfg.rope, x.dtype)
     eps = cfg.rms_norm_eps
     captured, new_k, new_v, routing = {}, [], [], []
     delta = None  # what the previous block adds to the residual stream x
@@ -89,9 +106,8 @@ def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels, tp):
             x, normed = add_rms_norm(x, delta, layer["attn_norm"], eps, kernels)
             if i in capture_layers:
                 captured[i] = x
-            attn, k_buf, v_buf = _attention(
-                layer, cfg, normed, cos, sin, cache.k[i], cache.v[i], cache.lengths, kernels, tp
-            )
+            attn, k_pages, v_pages = attention_layer(layer, cfg, normed, cos, sin, pages.k[i], pages.v[i], layout,
+                                                     kernels, tp)
             x, normed = add_rms_norm(x, attn, layer["mlp_norm"], eps, kernels)
             if cfg.is_sparse(i):
                 delta, ids = moe.moe_mlp(normed, layer, cfg.moe, kernels=kernels)
@@ -99,11 +115,11 @@ def _run(params, cfg: Qwen3Config, tokens, cache, capture_layers, kernels, tp):
             else:
                 delta = gated_mlp(normed, layer["w_gate_up"], layer["w_down"], kernels)
             delta = collectives.all_reduce(delta, tp)
-        new_k.append(k_buf)
-        new_v.append(v_buf)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
     _, hidden = add_rms_norm(x, delta, params["final_norm"], eps, kernels)
     features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
-    return hidden, kv_cache.KVCache(tuple(new_k), tuple(new_v), cache.lengths), features, tuple(routing)
+    return hidden, KVPages(tuple(new_k), tuple(new_v)), features, tuple(routing)
 
 
 def logits(params: Params, hidden: jax.Array, kernels: str = "xla") -> jax.Array:

@@ -3,8 +3,9 @@ mesh, so a call of rounds stays one jitted call with its collectives inside, one
 decoding state donated.
 
 Inside the map every device runs decoding/spec_round.py's functions unchanged with the per-device config
-(`local_spec`): its shards of the target, its KV heads' caches ([B, K_l, S, H], split on the head axis),
-the replicated drafter and everything else replicated. The choice of shard_map over GSPMD's automatic
+(`local_spec`): its shards of the target, its KV heads' pages ([K_l, P, page_size, H], the target's page pool
+split on the head axis; every device holds the same page ids), the replicated drafter and its pages, and
+everything else replicated. The choice of shard_map over GSPMD's automatic
 partitioning: the fused q/k/v and gate/up rows need a per-device row order that no partitioning of the
 fused axis gives (parallel/layout.py), the Pallas kernels are custom calls that the partitioner cannot split
 but that run per device inside a map, and the collectives are then exactly the ones written here: one
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.checkpoints import sharded
 from eagle3_jax.decoding import slots, spec_round
 from eagle3_jax.models import weights as weights_lib
-from eagle3_jax.models.kv_cache import KVCache
+from eagle3_jax.models.kv_cache import KVPages
 from eagle3_jax.parallel import layout
 from eagle3_jax.parallel.collectives import TP_AXIS, Shards
 from eagle3_jax.parallel.mesh import mesh_size
@@ -42,6 +43,7 @@ class Steps:
     rounds: Callable
     put: Callable  # host pytree -> its arrays on the device(s)
     fetch: Callable  # a step's packed output -> one host array
+    new_pages: Callable  # spec_round.new_pages's signature: the zeroed pools on the device(s)
 
 
 def local_spec(spec: spec_round.StepSpec, tp: int) -> spec_round.StepSpec:
@@ -49,15 +51,23 @@ def local_spec(spec: spec_round.StepSpec, tp: int) -> spec_round.StepSpec:
     return dataclasses.replace(spec, target=layout.local_config(spec.target, tp), tp=Shards(tp))
 
 
-def state_specs(spec: spec_round.StepSpec) -> spec_round.DecodeState:
-    """Where a DecodeState's parts live: the target's KV caches split on the head axis, the rest replicated."""
-    heads = tuple(P(None, TP_AXIS) for _ in range(spec.target.num_layers))
+def page_specs(spec: spec_round.StepSpec) -> tuple:
+    """Where the page pools live: the target's split on the KV-head axis, the drafter's (if any) replicated."""
+    heads = tuple(P(TP_AXIS) for _ in range(spec.target.num_layers))
+    drafted = spec.proposer is not None and bool(spec.proposer.capture_layers)
+    return KVPages(heads, heads), (KVPages((P(),), (P(),)) if drafted else None)
+
+
+def state_specs(spec: spec_round.StepSpec, pages: bool = True) -> spec_round.DecodeState:
+    """Where a DecodeState's parts live: the page pools as `page_specs` (None without `pages`: the rows alone), the
+    rest replicated."""
     drafted = P() if spec.proposer is not None and spec.proposer.capture_layers else None
     looked_up = P() if spec.proposer is not None and not spec.proposer.capture_layers else None
+    target_pages, draft_pages = page_specs(spec) if pages else (None, None)
     return spec_round.DecodeState(
-        target_cache=KVCache(heads, heads, P()), draft_cache=drafted, last_token=P(), draft_hidden=drafted,
-        num_generated=P(), max_new=P(), stop_ids=P(), done=P(), sampling=P() if spec.sampling else None,
-        history=looked_up)
+        target_pages=target_pages, draft_pages=draft_pages, page_table=P(), lengths=P(), draft_lengths=drafted,
+        last_token=P(), draft_hidden=drafted, num_generated=P(), max_new=P(), stop_ids=P(), done=P(),
+        sampling=P() if spec.sampling else None, history=looked_up)
 
 
 def _param_specs(spec: spec_round.StepSpec, dparams) -> tuple:
@@ -73,28 +83,24 @@ def _mapped(fn, mesh: Mesh, in_specs, out_specs):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh"))
-def jit_empty(tparams, dparams, template, *, spec, mesh):
+def jit_empty(tparams, dparams, pages, template, *, spec, mesh):
     fn = functools.partial(slots.empty, spec=spec)
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), P()), state_specs(spec))(tparams, dparams, template)
+    return _mapped(fn, mesh, (*_param_specs(spec, dparams), page_specs(spec), P()), state_specs(spec, pages=False))(
+        tparams, dparams, pages, template)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mesh"))
-def jit_prefill(tparams, dparams, request, *, spec, mesh):
+@functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("pages",))
+def jit_prefill(tparams, dparams, pages, admission, *, spec, mesh):
     fn = functools.partial(spec_round.prefill, spec=spec)
     out = (state_specs(spec), P())
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), P()), out)(tparams, dparams, request)
+    return _mapped(fn, mesh, (*_param_specs(spec, dparams), page_specs(spec), P()), out)(tparams, dparams, pages,
+                                                                                          admission)
 
 
-def _specs_like(state: spec_round.DecodeState) -> spec_round.DecodeState:
-    """state_specs from a state's own structure."""
-    heads = tuple(P(None, TP_AXIS) for _ in state.target_cache.k)
-    return dataclasses.replace(jax.tree.map(lambda _: P(), state), target_cache=KVCache(heads, heads, P()))
-
-
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def jit_insert(state, fresh, slot_ids, *, mesh):
-    states = _specs_like(state)
-    return _mapped(slots.insert, mesh, (states, states, P()), states)(state, fresh, slot_ids)
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("rows",))
+def jit_insert(rows, fresh, slot_ids, *, mesh):
+    specs = jax.tree.map(lambda _: P(), rows)  # a pool's rows are replicated
+    return _mapped(slots.insert, mesh, (specs, specs, P()), specs)(rows, fresh, slot_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "num_rounds", "mesh"), donate_argnames=("state",))
@@ -102,6 +108,13 @@ def jit_rounds(tparams, dparams, state, *, spec, num_rounds, mesh):
     fn = functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=num_rounds)
     states = state_specs(spec)
     return _mapped(fn, mesh, (*_param_specs(spec, dparams), states), (states, P()))(tparams, dparams, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",))
+def _new_pages(spec, num_pages, page_size, dtype, *, mesh):
+    """spec_round.new_pages on each device (its KV heads), laid out over the mesh by page_specs."""
+    fn = functools.partial(spec_round.new_pages, spec, num_pages, page_size, dtype)
+    return _mapped(fn, mesh, (), page_specs(spec))()
 
 
 def sharded_steps(mesh: Mesh) -> Steps:
@@ -114,7 +127,8 @@ def sharded_steps(mesh: Mesh) -> Steps:
     return Steps(
         empty=functools.partial(jit_empty, mesh=mesh), prefill=functools.partial(jit_prefill, mesh=mesh),
         insert=functools.partial(jit_insert, mesh=mesh), rounds=functools.partial(jit_rounds, mesh=mesh), put=put,
-        fetch=lambda packed: np.asarray(packed.addressable_shards[0].data))
+        fetch=lambda packed: np.asarray(packed.addressable_shards[0].data),
+        new_pages=functools.partial(_new_pages, mesh=mesh))
 
 
 def on_mesh(target, drafter, mesh: Mesh, exact: bool):
@@ -135,6 +149,3 @@ def on_mesh(target, drafter, mesh: Mesh, exact: bool):
     return target, drafter, sharded_steps(mesh)
 
 
-def per_device_target(target):
-    """The target as one device holds it (its per-device config), for sizing the pool of slots."""
-    return dataclasses.replace(target, config=layout.local_config(target.config, mesh_size(target.mesh)))

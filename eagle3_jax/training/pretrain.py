@@ -83,7 +83,7 @@ def next_token_loss(params: dict, cfg: Qwen3Config, windows: jax.Array, compute_
     inputs, labels = windows[:, :-1], windows[:, 1:]
     B, T = inputs.shape
     p = jax.tree.map(lambda x: x.astype(jnp.dtype(compute_dtype)), params)
-    hidden, _, _ = qwen3.forward(p, cfg, inputs, qwen3.new_cache(cfg, B, T, p["embed"].dtype), kernels="xla")
+    hidden, _, _ = qwen3.forward_rows(p, cfg, inputs, qwen3.new_row_cache(cfg, B, T, p["embed"].dtype), kernels="xla")
     return optax.softmax_cross_entropy_with_integer_labels(qwen3.logits(p, hidden), labels).mean()
 
 

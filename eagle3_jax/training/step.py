@@ -84,9 +84,9 @@ def init_state(spec: StepSpec, params: dict, d2t) -> TrainState:
 def target_teacher(tparams, spec: StepSpec, tokens):
     """The target's captured features [B, T, C] and logits [B, T, V] of tokens [B, T], without gradients."""
     B, T = tokens.shape
-    cache = qwen3.new_cache(spec.target, B, T, tparams["embed"].dtype)
-    hidden, _, features = qwen3.forward(tparams, spec.target, tokens, cache, spec.drafter.capture_layers,
-                                        spec.kernels)
+    cache = qwen3.new_row_cache(spec.target, B, T, tparams["embed"].dtype)
+    hidden, _, features = qwen3.forward_rows(tparams, spec.target, tokens, cache, spec.drafter.capture_layers,
+                                             spec.kernels)
     return jax.lax.stop_gradient(features), jax.lax.stop_gradient(qwen3.logits(tparams, hidden))
 
 

@@ -141,7 +141,7 @@ def _prepare(target: Target, data, config: TrainConfig) -> tuple[_Run, np.ndarra
     lengths = [len(s.tokens) for s in samples]
     num_batches = len(batching.epoch_plan(lengths, config.batch_size, seq_len, config.seed, 0))
     total = config.steps or config.epochs * num_batches
-    kernels = kernels_lib.check(config.kernels or kernels_lib.default(tcfg.head_dim), tcfg.head_dim)
+    kernels = kernels_lib.check(config.kernels or kernels_lib.default())
     spec = step.StepSpec(target=tcfg, drafter=step.drafter_config(tcfg, draft_vocab), ttt_steps=config.ttt_steps,
                          loss_decay=config.loss_decay, compute_dtype=config.compute_dtype, kernels=kernels,
                          learning_rate=config.learning_rate, warmup_steps=int(config.warmup_ratio * total),
