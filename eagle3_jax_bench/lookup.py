@@ -36,11 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import eagle3_jax
-from eagle3_jax.decoding import engine as engine_lib
 
 from . import planted_world, presets
-from .core import time_chain, versions
-from .inputs import random_state
+from .core import versions
 
 COPY_CUE = 8  # the stretch's first tokens repeated at the prompt's end: at least PromptLookup's default max_ngram
 
@@ -93,21 +91,10 @@ def copy_prompts(world: planted_world.World, batch: int, stretch: int) -> list[l
 
 
 def round_seconds(eng: eagle3_jax.Engine, plan: Plan, batch: int, dtype) -> float:
-    """Seconds per round of the engine's call of rounds (engine.jit_rounds with its StepSpec, as generate calls it)
-    from a random running state at the run's mean KV length."""
-    spec = eng.spec
-    state = random_state((spec.target, None), batch, plan.prompt_len + plan.new_tokens // 2, plan.max_len, dtype,
-                         with_drafter=False)
-    if spec.proposer is not None:
-        history = jax.random.randint(jax.random.key(batch), (batch, plan.max_len), 0, spec.target.vocab_size,
-                                     jnp.int32)
-        state = dataclasses.replace(state, history=history)
-
-    def call(s):
-        return engine_lib.jit_rounds(eng.target.params, None, s, spec=spec, num_rounds=eng.rounds_per_call)
-
-    seconds, _ = time_chain(call, state, (), plan.reps, plan.inner)
-    return seconds / eng.rounds_per_call
+    """Seconds per round of the engine's call of rounds as generate calls it (Engine.time_call: its executable, on
+    its pages) at the run's mean KV length; the fastest of plan.reps."""
+    return min(eng.time_call(batch, plan.prompt_len + plan.new_tokens // 2, eng.num_draft_tokens)
+               for _ in range(plan.reps)) / eng.rounds_per_call
 
 
 def measure(target, world, plan: Plan, batch: int, proposer, dtype) -> dict:

@@ -16,14 +16,15 @@ tokens/s, and at 1 user that against Engine.generate's.
 * per mode (spec "auto" with max_draft_tokens --max-gamma; spec off) and per level of --users: that many closed-
   loop users with exponential think times (Poisson arrivals), --requests requests of the level, prompt lengths
   and max_tokens uniform in --lengths and --budgets as the pool bench draws them (seed 0). Each level first runs,
-  untimed and with max_tokens cut to 4, one request of each prompt bucket and its first WARM_UP_PER_USER x users
-  requests (it compiles the level's pool sizes and most of its prefill shapes; the compilations left are
-  counted), then all of them timed: output tokens/s (all completion tokens over the wall time), TTFT p50/p99,
+  untimed and with max_tokens cut to 4, WARM_UP_PER_USER x users requests of another seed (it compiles the
+  level's pool sizes, their calls with and without a prompt chunk and a chunk's call of its own; the compilations
+  left are counted; other prompts, so the timed pass finds none of them in the prefix cache), then all of them
+  timed: output tokens/s (all completion tokens over the wall time), TTFT p50/p99,
   inter-chunk latency p50/p99 (a call of rounds arrives as one chunk), and each request's decode speed (its
   tokens over the time from its send to its last chunk).
 * one_user_vs_generate: at 1 user, the mean over requests of that decode speed against `Engine.generate`'s
-  batch-1 tokens/s on the same prompt and budget, on the same engine in this process (goal: >= 0.95, i.e. HTTP,
-  JSON and detokenization cost under 5%).
+  batch-1 tokens/s on the same prompt and budget, on an engine of the same configuration in this process with KV
+  for one sequence and no prefix cache (goal: >= 0.95, i.e. HTTP, JSON and detokenization cost under 5%).
 512 requests at every level make a long run: at 1 user the workload's 147k output tokens take about
 5 minutes at spec "auto"'s 477 tokens/s and 11 at spec off's 216, so the defaults scale the requests with the
 users (--requests).
@@ -45,7 +46,6 @@ import numpy as np
 
 import eagle3_jax
 from eagle3_jax.checkpoints.generation import GREEDY
-from eagle3_jax.decoding.request import bucket_length
 
 from . import load, planted
 from .core import Run, versions
@@ -53,6 +53,7 @@ from .profile import count_compilations
 
 MODES = ("auto", "off")
 WARM_UP_PER_USER = 2  # the untimed pass's requests per user
+WARM_UP_SEED = 10**6  # the untimed pass's prompts: a seed no level's timed requests use
 
 
 def stand_in_tokenizer(vocab_size: int):
@@ -128,7 +129,13 @@ def summary(results: list[dict], requests, world) -> dict:
 
 
 def generate_speeds(engine, requests) -> list[float]:
-    """Engine.generate's batch-1 tokens/s per request (compiled by a first call of each)."""
+    """Engine.generate's batch-1 tokens/s per request (compiled by a first call of each), on an engine of the
+    served one's configuration with KV for one sequence of its own (the served engine's pages are the server's)
+    and no prefix cache (the compiling call's prompt would serve the timed one)."""
+    engine = eagle3_jax.Engine(engine.target, engine.drafter, num_draft_tokens="auto" if engine.auto else
+                               engine.num_draft_tokens or 1, max_draft_tokens=engine.num_draft_tokens if engine.auto
+                               else None, max_len=engine.max_len, max_batch=1, kv_tokens=engine.max_len,
+                               page_size=engine.page_size, prefix_caching=False)
     speeds = []
     for prompt, max_tokens in requests:
         engine.generate([prompt], 2, progress=False)
@@ -151,8 +158,8 @@ def measure(run: Run, w, mode: str, engine, server: Serving, users: int, count: 
     """One level of one mode: an untimed pass with max_tokens cut to 4 (it compiles), then the timed one."""
     requests = workload(w.world, count, args.lengths, args.budgets, seed=users)
     start = time.perf_counter()
-    by_bucket = {bucket_length(len(p), args.max_len): (p, m) for p, m in reversed(requests)}  # each bucket's first
-    warm = [(p, min(m, 4)) for p, m in list(by_bucket.values()) + requests[: WARM_UP_PER_USER * users]]
+    warm = [(p, min(m, 4)) for p, m in workload(w.world, WARM_UP_PER_USER * users, args.lengths, args.budgets,
+                                                 seed=users + WARM_UP_SEED)]
     client.submit(load.run_load, server.url, "bench", warm, users, 0.0).result()
     warm_s = time.perf_counter() - start
     with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here

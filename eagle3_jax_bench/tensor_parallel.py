@@ -16,7 +16,6 @@ Writes tensor_parallel.json under --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -56,8 +55,7 @@ def measure(run: Run, models, target, drafter, batch: int, gamma: int, args) -> 
     dparams_tp = on_mesh(dparams, P(), mesh) if gamma else None
 
     def state():
-        state = random_state(models, batch, args.kv_len, capacity, target.params["embed"].dtype, gamma > 0)
-        return dataclasses.replace(state, sampling=None)  # the greedy build on a mesh carries no settings
+        return random_state(models, batch, args.kv_len, capacity, target.params["embed"].dtype, gamma > 0)
 
     one, one_s = compile_timed(engine_lib.jit_rounds, target.params, dparams, state(), spec=spec,
                                num_rounds=args.rounds_per_call)
@@ -74,7 +72,7 @@ def measure(run: Run, models, target, drafter, batch: int, gamma: int, args) -> 
             best[name] = min(best.get(name, seconds), seconds)
     per_round = {k: v / args.rounds_per_call * 1e3 for k, v in best.items()}
     # Both paths ran the same calls from the same state: a greedy engine's tokens and lengths must agree.
-    ends = [jax.device_get((s.last_token, s.num_generated, s.target_cache.lengths)) for s in states.values()]
+    ends = [jax.device_get((s.last_token, s.num_generated, s.lengths)) for s in states.values()]
     same = all(np.array_equal(a, b) for a, b in zip(*ends))
     run.add("rounds", {"batch": batch, "gamma": gamma, "kv_len": args.kv_len, "unsharded_ms": per_round["unsharded"],
                        "sharded_ms": per_round["sharded"], "ratio": per_round["sharded"] / per_round["unsharded"],

@@ -57,9 +57,7 @@ def random_state_on_mesh(cfg, local_spec, mesh, batch: int, kv_len: int, capacit
     wide = dataclasses.replace(cfg, num_kv_heads=local_spec.target.num_kv_heads * mesh.devices.size)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), parallel_steps.state_specs(local_spec),
                              is_leaf=lambda x: isinstance(x, P))
-    # the mesh's greedy build carries no sampling settings (parallel/steps.state_specs)
-    build = jax.jit(lambda: dataclasses.replace(random_state((wide, None), batch, kv_len, capacity, dtype, False),
-                                                sampling=None), out_shardings=shardings)
+    build = jax.jit(lambda: random_state((wide, None), batch, kv_len, capacity, dtype, False), out_shardings=shardings)
     return build()
 
 

@@ -1,9 +1,10 @@
 """Decode/verify attention whose result for a query does not depend on how many tokens (T) or rows (B)
 share the call: the attention of `Engine(exact=True)`.
 
-decode_attention splits the keys in use, [0, start + T), evenly over a number of splits chosen from the
-batch size; so the same query, computed alone (decode, T = 1) or as token t of a verify (T = gamma + 1),
-or at another batch size, has its keys summed in other groups and rounds apart. Here the partition is a
+A split-K kernel that divides the keys in use, [0, start + T), evenly over a number of splits chosen from
+the work (as the ragged paged kernel does from its rows and keys) sums the same query's keys in other groups
+when it is computed alone (decode, T = 1), as token t of a verify (T = gamma + 1) or at another batch size,
+and rounds apart. Here the partition is a
 function of the query's own position p alone: its p // block_k + 1 key blocks are split into
 min(blocks, max_splits) contiguous runs (run j holds blocks [j n / J, (j + 1) n / J)), each run is one
 online softmax over its blocks in order, and the runs are merged in split order. A program (b, KV head h,
@@ -13,11 +14,12 @@ were (exp(-inf) = 0, alpha = exp(0) = 1). Query rows (t * G + g, as in _common) 
 of a fixed `rows` count, padded, so every dot and row reduction has the same shape whatever T. Every
 split goes through the merge kernel, one program per output row, which reads only that row's runs.
 
-The cost against decode_attention: short rows split into many one-block runs at every batch size (the
-other kernel stops splitting once B x K fills the GPU), so a wide batch writes and merges partial outputs
-that the other skips; measured in BENCHMARKS.md.
+The cost against a split-K kernel: short rows split into many one-block runs at every batch size (such a
+kernel stops splitting once the batch fills the GPU), so a wide batch writes and merges partial outputs that
+it skips; measured in BENCHMARKS.md.
 
-Lowering: Pallas' Triton backend, like decode_attention (see pallas_kernels/__init__.py).
+Lowering: Pallas' Triton backend (see pallas_kernels/__init__.py). The engine gathers each row's pages into
+the contiguous caches this kernel reads (eagle3_jax/models/paged_attention.py).
 """
 
 import dataclasses
@@ -37,7 +39,7 @@ class InvariantConfig:
     """Static tuning; none of it may depend on T or B."""
 
     block_k: int = 128  # keys per loop step (a power of 2, >= 16)
-    max_splits: int = 16  # runs per query at most (a long context's keys in 16 runs, as decode_attention at B = 1)
+    max_splits: int = 16  # runs per query at most (a long context's keys in 16 runs)
     rows: int = 32  # query rows per program (a power of 2 >= 16): Qwen3's 4 heads per KV head x 8 tokens
     num_warps: int = 4
     num_stages: int = 3
@@ -54,7 +56,7 @@ class InvariantConfig:
 
     @classmethod
     def for_dtype(cls, dtype, **tuning) -> "InvariantConfig":
-        """As DecodeConfig.for_dtype: 4-byte K/V take 64-key blocks to fit Hopper's shared memory."""
+        """4-byte K/V take 64-key blocks to fit Hopper's shared memory."""
         defaults = {"block_k": 64} if jnp.dtype(dtype).itemsize > 2 else {}
         return cls(**{**defaults, **tuning})
 
@@ -162,7 +164,7 @@ def _invariant(q, k_cache, v_cache, start, *, scale, interpret, config):
 
 
 def invariant_attention(q, k_cache, v_cache, start, *, scale, interpret=False, **static_tuning):
-    """decode_attention's contract (q [B, T, N, H] with RoPE applied; caches [B, K, S, H] already holding
+    """Decode/verify attention (q [B, T, N, H] with RoPE applied; caches [B, K, S, H] already holding
     the T new tokens at start .. start + T - 1; start [B] int32; returns [B, T, N, H] in q.dtype), with
     each query's result independent of T and B. static_tuning: fields of InvariantConfig."""
     _common.check_shapes(q, k_cache, v_cache, start)

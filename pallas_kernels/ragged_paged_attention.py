@@ -58,13 +58,13 @@ on the CPU: every TMA (and its zero fill past the array), barrier, page lookup, 
 two compute warpgroups (also under its race detector) and the merge are tested there
 (tests/test_ragged_paged_attention.py). It does not check swizzled or tiled layouts (identities
 there), the wgmma itself, register layouts, ptxas or timing; the H200 does: `pytest -m gpu`
-(the same file, at Qwen3-8B heads) and eagle3_jax_bench/paged_attention.py, which compares every
-timed row with today's contiguous kernel on the same keys. P goes through shared memory (not
+(the same file, at Qwen3-8B heads) and eagle3_jax_bench/paged_attention.py, which times every
+row against the copy rate. P goes through shared memory (not
 registers) and each block's P V is its own accumulator added in registers: the forms the
 interpreter runs (FA3's register P and run_state accumulator do not run there). Decode and verify
 are bandwidth bound, so the few hundred cycles this costs per block hide under the next block's
-TMA; for prefill chunks it is a cost against FlashAttention-3's structure
-(prefill_attention_mgpu.py), which the bench's chunk rows measure.
+TMA; for prefill chunks it is a cost against FlashAttention-3's structure, which the bench's chunk
+rows measure.
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """The model with each kernel choice (eagle3_jax/models/kernels.py; the Pallas kernels in interpret mode on
 the CPU) against the model with XLA's: same logits, same greedy and speculative output. The kernels
-themselves are checked against their references in test_pallas_attention.py and test_fused_kernels.py."""
+themselves are checked against their references in test_ragged_paged_attention.py and test_fused_kernels.py."""
 
 import dataclasses
 

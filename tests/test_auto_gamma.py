@@ -232,7 +232,7 @@ def test_auto_on_a_random_target_is_lossless_compiles_every_gamma_once_and_never
     expected = eagle3_jax.Engine(target, max_len=128, max_batch=1).generate(prompts, 24)
     engine = auto_engine(target, drafter, round_costs=fixed_costs(1.0, 1.05))
     assert engine.gammas == (0, 1)
-    engine.compile(6)
+    engine.compile()
     with count_compilations() as compiles:
         got = engine.generate(prompts, 24)
         shorter = engine.generate(prompts, 8)  # a second request, other budgets: nothing new to compile

@@ -318,16 +318,38 @@ def test_presets_have_the_published_parameter_counts():
 
 def test_pool_bench_dry_run(tmp_path):
     """The continuous-batching bench at tiny shapes: a pool and fixed chunks over the same prompts emit the same
-    tokens, Engine.compile leaves the timed runs nothing to compile, and the steady-state row is written."""
+    tokens, Engine.compile leaves the timed runs nothing to compile, each pool row has its floor, the sweep runs
+    each chunk, and the shared-prefix workload hits the cache with caching on only, emitting the same tokens."""
     from eagle3_jax_bench import pool
 
     assert pool.main(["--out", str(tmp_path), "--model", "tiny", "--prompts", "8", "--pools", "2", "--gammas", "0",
-                      "--lengths", "4", "20", "--budgets", "2", "6"]) == 0
+                      "--lengths", "4", "20", "--budgets", "2", "6", "--runs", "pool", "fixed_chunks", "steady",
+                      "--sweep", "8", "--sweep-prompts", "4", "--shared-prefix", "100", "--prefix-prompts", "4",
+                      "--prefix-lengths", "3", "8"]) == 0
     results = json.loads((tmp_path / "pool_bench.json").read_text())
-    runs = {r["run"]: r for r in results["pool"]}
+    runs = {r["run"]: r for r in results["pool"] if r["run"] in ("pool", "fixed_chunks")}
     assert set(runs) == {"pool", "fixed_chunks"} and runs["pool"]["tokens"] == runs["fixed_chunks"]["tokens"] > 8
-    assert all(r["compilations"] == 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in runs.values())
+    assert all(r["compilations"] == 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in results["pool"])
+    (floor,) = results["floor"]
+    assert floor["floor_s"] == max(floor["compute_s"], floor["bytes_s"]) > 0
+    assert runs["pool"]["x_floor"] == pytest.approx(runs["pool"]["seconds"] / floor["floor_s"])
     assert results["steady"][0]["tokens_per_s"] > 0
+    assert [r["prefill_chunk"] for r in results["pool"] if r["run"] == "sweep"] == [512, 8]
+    on, off = results["shared_prefix"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    assert on["cached_tokens"] == 2 * 64 and off["cached_tokens"] == 0  # a page of 64 for each after the first chunk
+    shared = [r for r in results["pool"] if r["run"] == "shared_prefix"]
+    assert shared[0]["tokens"] == shared[1]["tokens"]
+
+
+def test_pool_bench_on_the_planted_world_accepts_drafts(tmp_path):
+    from eagle3_jax_bench import pool
+
+    assert pool.main(["--out", str(tmp_path), "--model", "tiny", "--prompts", "4", "--pools", "2", "--gammas", "3",
+                      "--lengths", "4", "20", "--budgets", "8", "12", "--planted-tau", "3"]) == 0
+    results = json.loads((tmp_path / "pool_bench.json").read_text())
+    assert results["world"]["tau_at_gamma_3"] == 3 and results["steady"][0]["tau"] > 2
+    assert results["pool"][0]["planted_match"] == 1.0  # every prompt's tokens are the target's continuation
 
 
 def test_auto_gamma_bench_and_calibration_dry_run(tmp_path, monkeypatch, capsys):

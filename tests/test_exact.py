@@ -2,7 +2,7 @@
 one of T tokens (verify), at any batch size, so speculative output is spec-off output bit for bit in
 bfloat16. Checked at each kernel (row i of a T-row call against a one-row call, and against the kernel's
 reference), at the target's step (a verify of T tokens against T one-token steps), and through the Engine.
-The current decode attention fails the same kernel check: the check can fail. On the CPU the exact
+A kernel whose key runs follow the call's T fails the same kernel check: the check can fail. On the CPU the exact
 kernels run in Pallas' interpreter; tests/test_exact_gpu.py runs the same checks on a GPU.
 """
 

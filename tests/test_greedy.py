@@ -129,10 +129,10 @@ def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_t
         again = engine.generate(PROMPTS, max_new_tokens=12)
         other = engine.generate([[9] * 20, [1], [4, 40]], max_new_tokens=12)  # the same prompt-length bucket
     assert compiles.count == 0 and again == first
-    # prefill, then one transfer per call of 4 rounds: 12 tokens = prefill + 11 rounds = 3 calls; the third
-    # call leaves at most 4 tokens per row, so no fourth call is dispatched.
+    # the prompts' chunk (its first tokens: a row per chunk segment), then one transfer per call of 4 rounds: 12
+    # tokens = the first + 11 rounds = 3 calls; the third call leaves at most 4 tokens per row, so no fourth call.
     transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
-    assert transfers == [(3, 6), (4, 3, 6), (4, 3, 6), (4, 3, 6)]  # each row: round_output.width(0) = 6
+    assert transfers == [(engine.prefill_sequences, 6)] + [(4, 3, 6)] * 3  # a row: round_output.width(0) = 6
     assert [kind for kind, _ in engine.device_events].count("call") == 3
     assert [len(r.token_ids) for r in first + other] == [12] * 6
 
@@ -140,17 +140,18 @@ def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_t
 def test_next_call_dispatched_early_only_when_needed(model_and_target):
     """While some row surely needs another call, it is dispatched before this call's tokens are fetched
     (the device never waits on the host); near the end it is dispatched only if the tokens say so. The
-    first call follows the prefill at once when some row's budget needs a round after its first token."""
+    first call follows the prompts' chunk at once (its rows join the pool for it) when some row's budget needs a
+    round after its first token, before the chunk's first tokens are read."""
     _, tgt = model_and_target
     engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call, 1 token per round
     for max_new, expected in [
-        # 12 tokens: prefill + 11 rounds; 7 tokens are left when call 2 is fetched: call 3 went early.
-        (12, ["call", "transfer", "call", "transfer", "call", "transfer", "transfer"]),
-        # 6 tokens: prefill + 5 rounds; 5 left when call 1 is fetched, which can emit 4: call 2 goes early,
-        # and it is the last.
-        (6, ["call", "transfer", "call", "transfer", "transfer"]),
+        # 12 tokens: the first + 11 rounds; 11 left when call 1 goes: call 2 goes early; 7 left when call 1 is
+        # fetched, 4 in flight: call 3 goes early too.
+        (12, ["call", "call", "transfer", "transfer", "call", "transfer", "transfer"]),
+        # 6 tokens: the first + 5 rounds; 5 left when call 1 goes, which can emit 4: call 2 goes early, the last.
+        (6, ["call", "call", "transfer", "transfer", "transfer"]),
         (2, ["call", "transfer", "transfer"]),
-        (1, ["transfer"]),  # the prefill's token is all: no call
+        (1, ["transfer"]),  # the first token is all: no call
     ]:
         results = engine.generate(PROMPTS, max_new_tokens=max_new)
         assert [len(r.token_ids) for r in results] == [max_new] * 3

@@ -181,31 +181,43 @@ def packed(gamma, rows):
     return out
 
 
-def new_scheduler(max_batch: int, pages: int = 64, **options) -> LiveScheduler:
-    """A scheduler of max_len 64, 2 rounds a call of gamma 1, over `pages` pages of 8."""
-    return LiveScheduler(max_batch=max_batch, max_len=64, prefill_tokens=64, rounds_per_call=2,
-                         policy=gamma_policy.Fixed(1), speculative=True, pages=PagePool(pages, 8, lambda: None),
-                         width=9, max_gamma=1, **options)
+def new_scheduler(max_batch: int, pages: int = 64, chunk: int = 64, **options) -> LiveScheduler:
+    """A scheduler of max_len 64, 2 rounds a call of gamma 1, chunks of `chunk` prompt tokens of up to 4 prompts,
+    over `pages` pages of 8."""
+    return LiveScheduler(max_batch=max_batch, max_len=64, prefill_chunk=chunk, prefill_sequences=min(4, max_batch),
+                         rounds_per_call=2, policy=gamma_policy.Fixed(1), speculative=True,
+                         pages=PagePool(pages, 8, lambda: None), width=9, max_gamma=1, stop_width=4, **options)
+
+
+def row(n, budget, stops=(9,)):
+    return live_row(list(range(1, n + 1)), budget, list(stops), max_len=64, vocab_size=48, stop_width=4)
+
+
+def segments(chunk) -> list[tuple]:
+    """A chunk plan's segments: (tokens, start, slot, final, next token) each."""
+    return [(chunk.tokens[chunk.cu[p]:chunk.cu[p + 1]].tolist(), int(chunk.start[p]), int(chunk.slot[p]),
+             bool(chunk.final[p]), int(chunk.next_token[p])) for p in range(len(chunk.start))
+            if chunk.cu[p + 1] > chunk.cu[p]]
 
 
 def test_each_step_is_decided_as_data():
-    """Admission, release, resize and the call of rounds, as the scheduler decides them, without a device."""
+    """Chunks, release, resize and the call of rounds, as the scheduler decides them, without a device."""
     scheduler = new_scheduler(4)
-
-    def row(n, budget):
-        return live_row([1] * n, budget, [9], max_len=64, vocab_size=48, stop_width=4)
-
     for i in range(3):
         scheduler.add(i, row(3, 20))
     step = scheduler.plan(rounds_in_flight=0)
     assert step.size == 4 and step.resize.tolist() == [0] * 4  # a pool of 4 free slots, allocated
-    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((0, 1, 2), (0, 1, 2), 4)]
-    assert step.rounds == gamma_policy.Call(1) and not step.sampling and step.release == ()
-    # prefill's first tokens (one row per admitted request, padding after), then a round: request 1 stops
-    events = scheduler.read("admit", 1, np.array([0, 1, 2, -1]), packed(1, [([5], 0, 0)] * 3 + [([0], 0, 0)]))
-    assert [(e.request, e.tokens) for e in events] == [(0, [5]), (1, [5]), (2, [5])]
+    # no row runs yet: the three prompts packed into one chunk, a call of its own; each ends its prompt
+    assert step.rounds is None and step.chunk.alone and not step.sampling and step.release == ()
+    assert segments(step.chunk) == [([1, 2, 3], 0, s, True, -1) for s in range(3)]
+    assert step.chunk.owners.tolist() == [0, 1, 2, -1] and scheduler.running == 3
+    # their rows run from the next call, planned before the chunk's first tokens are read (one call of 4 slots)
+    step = scheduler.plan(rounds_in_flight=0, idle=False)
+    assert step.rounds == gamma_policy.Call(1) and step.chunk is None and step.owners.tolist() == [0, 1, 2, -1]
+    events = scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0)] * 3 + [([0], 0, 0)]), np.array([0, 1, 2, -1]))
+    assert [(e.request, e.tokens, e.gamma) for e in events] == [(0, [5], None), (1, [5], None), (2, [5], None)]
     rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 9], 1, 1), ([6], 0, 0), ([], 0, 1)])])
-    events = scheduler.read("rounds", 1, scheduler.owner.copy(), rounds)
+    events = scheduler.read("rounds", 1, step.owners, rounds)
     assert [(e.request, e.tokens, e.accepted, e.drafted, e.finish_reason) for e in events] == [
         (0, [6, 7], 1, 1, None), (1, [6, 9], 1, 1, "stop"), (2, [6], 0, 1, None)]
     assert scheduler.owner.tolist() == [0, -1, 2, -1] and scheduler.running == 2
@@ -214,9 +226,10 @@ def test_each_step_is_decided_as_data():
     scheduler.add(3, row(20, 5))
     step = scheduler.plan(rounds_in_flight=1)
     # nothing waits and request 2 surely needs another call (18 tokens left, a call emits at most 4): it goes ahead,
-    # and the newcomer, admitted before it, rides in it
+    # and the newcomer's prompt rides in it (a mixed step), its row joining the call after
     assert step.release == (0,) and step.resize is None and step.rounds == gamma_policy.Call(1)
-    assert [(a.requests, a.slots, a.rows) for a in step.admissions] == [((3,), (0,), 1)]
+    assert not step.chunk.alone and segments(step.chunk) == [(list(range(1, 21)), 0, 0, True, -1)]
+    assert step.owners.tolist() == [-1, -1, 2, -1]
     # one request left in a pool of four, nothing in flight: the pool shrinks to one slot, its row first
     scheduler.abort(3)
     step = scheduler.plan(rounds_in_flight=0)
@@ -229,13 +242,29 @@ def test_each_step_is_decided_as_data():
     assert scheduler.plan(rounds_in_flight=1).rounds is None
 
 
+def test_a_prompt_longer_than_a_chunk_goes_on_in_the_next_ones_and_chunks_pack_prompts():
+    """Chunks of 8 tokens: a 20-token prompt takes three, each after the one before (the next prompt token is each
+    non-final segment's successor); a 3-token prompt packs into the third beside the last 4; rows join only after
+    their last chunk, so only then do they run rounds."""
+    scheduler = new_scheduler(4, chunk=8)
+    scheduler.add(0, row(20, 10))
+    first = scheduler.plan(rounds_in_flight=0)
+    assert segments(first.chunk) == [(list(range(1, 9)), 0, 0, False, 9)] and first.chunk.alone
+    scheduler.add(1, row(3, 10))
+    second = scheduler.plan(rounds_in_flight=0)
+    assert second.rounds is None and segments(second.chunk) == [(list(range(9, 17)), 8, 0, False, 17)]
+    third = scheduler.plan(rounds_in_flight=0)
+    assert segments(third.chunk) == [([17, 18, 19, 20], 16, 0, True, -1), ([1, 2, 3], 0, 1, True, -1)]
+    assert third.chunk.owners[:2].tolist() == [0, 1] and scheduler.requests[0].pages == [0, 1, 2]
+    assert scheduler.plan(rounds_in_flight=0, idle=False).owners.tolist() == [0, 1, -1, -1]
+
 
 def test_while_requests_wait_a_call_goes_ahead_only_when_every_running_row_needs_it():
     """A pool of max_batch 2, full, with a third request waiting and a call in flight: no call ahead while a row
     could finish in that call (its slot would sit idle through one more call), one when neither can."""
     scheduler = new_scheduler(2, shrink=False)
     for i in range(3):
-        scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
+        scheduler.add(i, row(3, 20, ()))
     assert scheduler.plan(rounds_in_flight=0).size == 2 and list(scheduler.waiting) == [2]
     for r in (0, 1):
         scheduler.requests[r].prefilled = True
@@ -251,7 +280,7 @@ def test_a_pool_that_does_not_shrink_keeps_its_size():
     for shrink, size in ((False, 4), (True, 1)):
         scheduler = new_scheduler(4, shrink=shrink)
         for i in range(4):
-            scheduler.add(i, live_row([1] * 3, 20, [], max_len=64, vocab_size=48, stop_width=1))
+            scheduler.add(i, row(3, 20, ()))
         assert scheduler.plan(rounds_in_flight=0).size == 4
         for i in range(3):
             scheduler.abort(i)
@@ -259,38 +288,38 @@ def test_a_pool_that_does_not_shrink_keeps_its_size():
 
 
 def test_pages_as_data_allocation_preemption_and_recompute():
-    """Pages, as the scheduler hands them out: an admission takes its prompt's; before a call every running row
+    """Pages, as the scheduler hands them out: a chunk takes its segments' pages; before a call every running row
     gets what the call may write (2 rounds of gamma 1: 4 positions); when they are not free the call waits for
     what is in flight, then the youngest row is preempted, waits first in line and comes back as a recompute of
-    its tokens but the newest (which is its resume token); a finished row's pages are back at once."""
+    its tokens but the newest (which is its resume token: nothing drawn); a finished row's pages are back at once."""
     scheduler = new_scheduler(2, pages=4)  # 32 tokens of KV
     for i, n in enumerate((12, 6)):
-        scheduler.add(i, live_row([1] * n, 40, [], max_len=64, vocab_size=48, stop_width=1))
+        scheduler.add(i, row(n, 40, ()))
     step = scheduler.plan(rounds_in_flight=0)
-    (admission,) = step.admissions
-    # prompts of 12 and 6 tokens: 2 and 1 pages, then the call's 4 positions: row 1 needs its second page
-    assert [live.pages for live in scheduler.requests.values()] == [[0, 1], [2, 3]]
-    assert admission.page_table[:, :2].tolist() == [[0, 1], [2, -1]] and admission.resume_token.tolist() == [-1, -1]
+    # prompts of 12 and 6 tokens: 2 and 1 pages
+    assert [live.pages for live in scheduler.requests.values()] == [[0, 1], [2]]
+    assert step.chunk.table[:2, :2].tolist() == [[0, 1], [2, -1]] and step.chunk.next_token[:2].tolist() == [-1, -1]
+    # their first call's 4 positions: row 1 needs its second page
+    step = scheduler.plan(rounds_in_flight=0, idle=False)
     assert step.page_table[:, :2].tolist() == [[0, 1], [2, 3]] and scheduler.pages.free == 0
-    scheduler.read("admit", 1, np.array([0, 1]), packed(1, [([5], 0, 0), ([5], 0, 0)]))
+    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0), ([5], 0, 0)]), np.array([0, 1]))
     rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 7], 1, 0)])] * 2)
-    scheduler.read("rounds", 1, scheduler.owner.copy(), rounds)
+    scheduler.read("rounds", 1, step.owners, rounds)
     # 17 and 11 tokens now (16 and 10 committed): the next call needs a third page for row 0, none is free: with a
     # call in flight it waits; with nothing in flight row 1, the younger, is preempted
     assert scheduler.plan(rounds_in_flight=1, idle=False).rounds is None and scheduler.preemptions == 0
     step = scheduler.plan(rounds_in_flight=0)
     assert step.preempt == (1,) and step.rounds == gamma_policy.Call(1) and scheduler.preemptions == 1
-    assert list(scheduler.waiting) == [1] and scheduler.requests[0].pages == [0, 1, 2]
+    # row 0 takes the page never cached first: row 1's full first page waits in the prefix cache
+    assert list(scheduler.waiting) == [1] and scheduler.requests[0].pages == [0, 1, 3]
     # row 0 finishes: its pages are back, and row 1 is recomputed: its prompt and tokens but the newest
-    scheduler.read("rounds", 1, scheduler.owner.copy(), np.stack([packed(1, [([8], 0, 1), ([], 0, 1)])] * 2))
+    scheduler.read("rounds", 1, step.owners, np.stack([packed(1, [([8], 0, 1), ([], 0, 1)])] * 2))
     assert scheduler.pages.free == 4
     step = scheduler.plan(rounds_in_flight=0)
-    (admission,) = step.admissions
-    request = scheduler.admission_request(admission)
-    assert request.lengths.tolist() == [6 + 4] and request.tokens[0, :10].tolist() == [1] * 6 + [5, 6, 7, 6]
-    assert admission.resume_token.tolist() == [7] and admission.generated.tolist() == [5]
-    # a recompute's admission reports nothing: its tokens were reported once
-    assert scheduler.read("admit", 1, np.array([1]), packed(1, [([], 0, 0)])) == []
+    assert segments(step.chunk) == [(list(range(1, 7)) + [5, 6, 7, 6], 0, 0, True, 7)]
+    assert step.chunk.generated[0] == 5 and step.chunk.owners[0] == 1
+    # a recompute's chunk reports nothing: its tokens were reported once
+    assert scheduler.read("chunk", 1, None, packed(1, [([], 0, 0), ([], 0, 0)]), np.array([1, -1])) == []
 
 
 MESH_SCRIPT = """

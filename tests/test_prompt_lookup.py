@@ -16,6 +16,7 @@ import spec_worlds as worlds
 from test_sampling_engine import (  # noqa: F401 (module fixtures: tiny, exact)
     MAX_LEN,
     PLAIN_07,
+    PROMPT,
     TOPK_10,
     N,
     exact,
@@ -178,7 +179,8 @@ def test_a_drafter_of_another_kind_is_refused(permutation_target):
 
 def lookup_engine(tiny, gamma, proposal="argmax"):  # noqa: F811
     return eagle3_jax.Engine(tiny[1], eagle3_jax.PromptLookup(3), num_draft_tokens=gamma, max_len=MAX_LEN,
-                             proposal=proposal, rounds_per_call=1, max_batch=N, prefill_tokens=N * MAX_LEN)
+                             proposal=proposal, rounds_per_call=1, max_batch=N, prefill_chunk=len(PROMPT) * N,
+                             prefill_sequences=N)
 
 
 @pytest.mark.parametrize("gamma, settings", [(3, TOPK_10), (2, PLAIN_07)])

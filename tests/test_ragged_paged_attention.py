@@ -181,8 +181,9 @@ def test_attention_block_writes_the_rotated_keys_at_their_positions():
         row0 = np.asarray(paged[:, table[0]].reshape(K, 2 * page_size, H))[:, 6 : 6 + T]
         np.testing.assert_allclose(row0, np.asarray(ref[0]).transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(paged[:, table[1]]), np.asarray(pages[:, table[1]]))
-    want = paged_attention_xla(q_ref.reshape(2 * T, N, H), k_pages, v_pages, layout.read_table, layout.kv_lens,
-                               layout.cu_q_lens, scale=H**-0.5, max_q_len=T)
+    (group,) = layout.groups
+    want = paged_attention_xla(q_ref.reshape(2 * T, N, H), k_pages, v_pages, group.read_table, group.kv_lens,
+                               group.cu_q_lens, scale=H**-0.5, max_q_len=T)
     np.testing.assert_allclose(np.asarray(out).reshape(2 * T, N, H), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -311,5 +312,5 @@ def test_the_model_entry_takes_the_kernel_only_on_hopper_for_pallas_attention(mo
     table, lens, cu = jnp.zeros((1, 4), jnp.int32), jnp.array([4]), jnp.array([0, 4])
     paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels)
     assert called == [expected]
-    with pytest.raises(ValueError, match="batch-invariant paged attention is not implemented"):
+    with pytest.raises(ValueError, match="batch-invariant attention runs through attention_block"):
         paged_attention.attend(q, pages, pages, table, lens, cu, max_q_len=4, kernels=kernels_lib.EXACT)

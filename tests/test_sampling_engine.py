@@ -17,7 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper,
 
 import eagle3_jax
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax.decoding import sampling, slots, spec_round
+from eagle3_jax.decoding import sampling, spec_round
 from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
@@ -122,11 +122,11 @@ def exact(tiny):
 
 
 def make_engine(tiny, gamma, proposal, pool=N, **kwargs):
-    """Every sample in one batch (one prefill), unless `pool` is smaller."""
+    """Every sample in one batch (one chunk holds every prompt), unless `pool` is smaller."""
     _, target, drafter = tiny
     return eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=max(gamma, 1), max_len=MAX_LEN,
-                             proposal=proposal, rounds_per_call=1, max_batch=pool, prefill_tokens=pool * MAX_LEN,
-                             **kwargs)
+                             proposal=proposal, rounds_per_call=1, max_batch=pool, prefill_chunk=len(PROMPT) * pool,
+                             prefill_sequences=pool, **kwargs)
 
 
 @pytest.mark.parametrize("gamma, proposal, settings", CONFIGS, ids=[f"{p}-g{g}" for g, p, _ in CONFIGS])
@@ -147,7 +147,8 @@ def test_first_three_tokens_follow_the_exact_distribution_through_a_change_of_ga
     _, target, drafter = tiny
     n = N // 5
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=2, max_len=MAX_LEN,
-                               proposal="sample", rounds_per_call=1, max_batch=n, prefill_tokens=n * MAX_LEN,
+                               proposal="sample", rounds_per_call=1, max_batch=n, prefill_chunk=len(PROMPT) * n,
+                               prefill_sequences=n,
                                round_costs=lambda batch, length: [3, 2, 1] if length < 3.5 else [1, 2, 3])
     results = engine.generate([PROMPT] * n, 3, temperature=PLAIN_07[0], seed=list(range(31, 31 + n)))
     assert {tuple(r.gammas) for r in results} == {(2,), (2, 0)}
@@ -315,7 +316,8 @@ def test_bad_proposal_is_refused(world):
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])
 def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal):
     target, drafter = world["random"]
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal,
+                               prefill_sequences=6)  # one chunk of the six prompts
     engine.generate(SIX, 16, temperature=0.7, seed=0)  # compiles the radix build (top_k 0)
     engine.generate(SIX, 16, temperature=0.7, top_k=20, seed=0)  # and the candidate filter's
     requests = [
@@ -350,11 +352,9 @@ def test_each_request_takes_the_filter_its_settings_need(world):
     assert build(temperature=[0.0, 0.7, 0.7], top_k=[0, 20, 20]).filter == "candidates"
     assert build(temperature=0.7, top_k=[20, 65, 20]).filter == "radix"
     spec = build(temperature=0.6, top_k=20, top_p=0.95)
-    request = engine.request(SIX[:3], 4, temperature=0.6, top_k=20, top_p=0.95)
     params = (target.params, drafter.params)
     pages = jax.eval_shape(engine._new_pages)
-    rows = spec_round.Admission.unpaged(request.take([0, 1, 2], 3, 64), engine.table_width)
-    empty = jax.eval_shape(functools.partial(slots.empty, spec=spec), *params, pages, rows)
-    state = spec_round.with_pages(empty, pages)
+    rows = jax.eval_shape(functools.partial(spec_round.new_rows, spec, 3, engine.table_width, 4, jnp.float32))
+    state = spec_round.with_pages(rows, pages)
     jaxpr = str(jax.make_jaxpr(functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=2))(*params, state))
     assert "top_k[" in jaxpr and not re.search(r"\bcond\[", jaxpr)

@@ -8,7 +8,9 @@ import torch
 
 import eagle3_jax
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax.decoding.spec_round import Admission, split_pages, with_pages
+from eagle3_jax.decoding.live import device_chunk
+from eagle3_jax.decoding.live_plan import empty_chunk
+from eagle3_jax.decoding.spec_round import split_pages, with_pages
 from eagle3_jax_bench.profile import count_compilations
 
 import drafter_oracle as oracle
@@ -172,31 +174,25 @@ def test_stops_and_max_new_inside_accepted_spans(world):
         assert result.token_ids == full.token_ids[:cut] and result.finish_reason == "length"
 
 
-def test_round_and_admission_update_caches_in_place(world):
-    """The round and the pool's admission donate what they update: the prefill consumes the page pools it writes
-    into, the insert the pool's rows, the round its state, pools included; nothing is copied."""
+def test_calls_update_the_pages_and_rows_in_place(world):
+    """A chunk's call and a mixed call of rounds donate their state, page pools and rows alike: nothing is
+    copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64)
-    params, width = (target.params, drafter.params), engine.table_width
-    request = engine.request(PROMPTS, 8)
-    pages = engine.page_pool.arrays
-    rows = engine_lib.jit_empty(*params, pages, jax.device_put(Admission.unpaged(request.take([], 3, 64), width)),
-                                spec=engine.spec)
-    table = np.full((3, width), -1, np.int32)
-    table[:, :2] = np.arange(6).reshape(3, 2)  # two pages of 64 hold each prompt and its 8 tokens
-    admission = Admission(request, table, np.full((3,), -1, np.int32), np.zeros((3,), np.int32))
-    fresh, _ = engine_lib.jit_prefill(*params, pages, jax.device_put(admission), spec=engine.spec)
-    fresh_rows, fresh_pages = split_pages(fresh)
-    pooled = engine_lib.jit_insert(rows, fresh_rows, jax.device_put(np.arange(3, dtype=np.int32)))
-    state = with_pages(pooled, fresh_pages)
-    new_state, _ = engine_lib.jit_rounds(*params, state, spec=engine.spec, num_rounds=4)
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, max_batch=3)
+    params = (target.params, drafter.params)
+    rows = engine_lib.jit_empty(engine.spec, 3, engine.table_width, 8, np.float32)
+    chunk = jax.device_put(device_chunk(empty_chunk(engine.prefill_chunk, engine.prefill_sequences,
+                                                    engine.table_width, 8, 3, alone=True)))
+    state = with_pages(rows, engine.page_pool.arrays)
+    after_chunk, _ = engine_lib.jit_prefill(*params, state, chunk, spec=engine.spec)
+    after_call, _ = engine_lib.jit_rounds(*params, after_chunk, chunk, spec=engine.spec, num_rounds=4)
 
-    def buffers(pools):
-        return [x for pool in pools for x in pool.k + pool.v]
+    def buffers(s):
+        return [x for pool in (s.target_pages, s.draft_pages) for x in pool.k + pool.v] + jax.tree.leaves(
+            split_pages(s)[0])
 
-    assert all(x.is_deleted() for x in buffers(pages) + buffers(fresh_pages))
-    assert all(x.is_deleted() for x in jax.tree.leaves(rows) + jax.tree.leaves(pooled))
-    assert not any(x.is_deleted() for x in buffers((new_state.target_pages, new_state.draft_pages)))
+    assert all(x.is_deleted() for x in buffers(state) + buffers(after_chunk))
+    assert not any(x.is_deleted() for x in buffers(after_call))
 
 
 def test_one_transfer_per_call_and_no_recompile(world):
@@ -207,22 +203,23 @@ def test_one_transfer_per_call_and_no_recompile(world):
         results = engine.generate(PROMPTS, 16)
         transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
         rounds = max(len(r.accept_lengths) for r in results)
-        calls = -(-rounds // 4)  # prefill, then one [4 rounds, B, 2 gamma + 6] per call
-        assert transfers == [(3, 2 * 3 + 6)] + [(4, 3, 2 * 3 + 6)] * calls
-        engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # another prompt-length bucket: prefill compiles
-    assert compiles.count == 1
+        calls = -(-rounds // 4)  # one chunk of prompts, then one [4 rounds, B, 2 gamma + 6] per call
+        assert transfers == [(engine.prefill_sequences, 2 * 3 + 6)] + [(4, 3, 2 * 3 + 6)] * calls
+        engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # other prompt lengths fill the same chunk shape
+    assert compiles.count == 0
 
 
 def test_no_call_runs_in_vain_at_the_end(world):
     """With 2 tokens a round (pi2: d_1 accepted), a call of 4 rounds emits 8 tokens while the host must
     allow for 16: the early dispatch stops while a call could end every row, and each call dispatched is
-    needed. The fourth call is dispatched only once the third's tokens are fetched."""
+    needed. The first call follows the prompt's chunk before its token is fetched; the fourth is dispatched
+    only once the third's tokens are fetched."""
     target, drafter = world["t:permutation"][1], world["d:pi2"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     (result,) = engine.generate([PROMPTS[0]], 30)
     assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
     assert [kind for kind, _ in engine.device_events] == [
-        "allocate", "prefill", "call", "transfer", "call", "transfer", "call", "transfer", "transfer", "call",
+        "allocate", "prefill", "call", "call", "transfer", "transfer", "call", "transfer", "transfer", "call",
         "transfer"]
 
 

@@ -7,6 +7,7 @@ device); not collected by the suite itself.
 Every compilation counts (the suite's time): the prompts share one prefill bucket, the targets are 3 layers
 deep, each unsharded output is computed once (`world`'s caches) and serves every check against it."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -360,24 +362,27 @@ def test_filters_and_draws_across_shards_are_the_unsharded_ones():
 
 
 def test_no_step_moves_a_row_of_logits(tmp_path):
-    """The sampling build's prefill and call of rounds at tp 4 (a target of vocabulary 80 = 4 x 20, width 48):
-    no collective carries a vocabulary axis, whole or sliced; each reduction over it moves a few numbers per
+    """The sampling build's chunk call and mixed call of rounds at tp 4 (a target of vocabulary 80 = 4 x 20, width
+    48): no collective carries a vocabulary axis, whole or sliced; each reduction over it moves a few numbers per
     row, the rest are the [B, T, D] all-reduces."""
-    from eagle3_jax.decoding import spec_round
+    from eagle3_jax.decoding import live, live_plan, spec_round
     from eagle3_jax.parallel import steps
 
     model = build_model("gqa4_sharded", seed=1, num_layers=2, vocab=80, hidden=48)
     folder = save_model(model, tmp_path, "gqa4_sharded")
     mesh = tp_mesh(4)
     target = eagle3_jax.load_target(folder, dtype="float32", progress=False, mesh=mesh)
-    spec = steps.local_spec(spec_round.StepSpec(target=target.config, proposer=None, gamma=0, max_len=MAX_LEN,
-                                                kernels="xla", sampling=True), 4)
-    request = steps.sharded_steps(mesh).put(eagle3_jax.Engine(target, max_len=MAX_LEN).request(PROMPTS, 5,
-                                                                                              temperature=0.9))
-    prefill = jax.make_jaxpr(functools.partial(steps.jit_prefill, spec=spec, mesh=mesh))(target.params, None, request)
-    state, _ = jax.eval_shape(functools.partial(steps.jit_prefill, spec=spec, mesh=mesh), target.params, None, request)
+    # 12 chunk tokens beside 4 rows: the mixed forward's [1, 16, 48] all-reduce has no axis of 20 or 80
+    engine = eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=4, prefill_chunk=12)
+    spec = dataclasses.replace(engine.spec, sampling=True)
+    rows = engine._steps.empty(engine.spec, 4, engine.table_width, 8, jnp.float32)
+    state = spec_round.with_pages(rows, engine.page_pool.arrays)
+    chunk = engine._steps.put(live.device_chunk(live_plan.empty_chunk(12, engine.prefill_sequences,
+                                                                      engine.table_width, 8, 4, alone=False)))
+    prefill = jax.make_jaxpr(functools.partial(steps.jit_prefill, spec=spec, mesh=mesh))(target.params, None, state,
+                                                                                         chunk)
     rounds = jax.make_jaxpr(functools.partial(steps.jit_rounds, spec=spec, num_rounds=1, mesh=mesh))(
-        target.params, None, state)
+        target.params, None, state, chunk)
     for jaxpr in (prefill, rounds):
         moved = collectives_in(jaxpr.jaxpr)
         assert {name for name, _ in moved} >= {"all_gather", "psum", "pmax", "pmin"}

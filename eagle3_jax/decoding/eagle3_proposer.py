@@ -27,6 +27,7 @@ class Eagle3:
     config: DrafterConfig
     partial = False  # always proposes gamma tokens
     samples_drafts = True  # proposal="sample" draws from its q
+    keeps_history = False  # its state is KV in pages, no token history
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -44,18 +45,21 @@ class Eagle3:
         """Its page pool: as many pages as the target's, addressed by the same page tables."""
         return drafter_lib.new_pages(self.config, num_pages, page_size, dtype)
 
-    def prefill(self, dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> dict:
-        """The drafter's pages over the prompt's pairs (g_t, x_{t+1}), t < prompt length: the prompt shifted left,
-        then the first token; written through the rows' page tables into `state.draft_pages`."""
-        B, Tp = tokens.shape
-        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        nxt = jnp.where(jnp.arange(Tp)[None, :] == prompt_lengths[:, None] - 1, first[:, None], nxt)
+    def new_rows(self, batch: int, spec, dtype) -> dict:
+        """Its fields of `batch` free slots."""
+        return dict(draft_lengths=jnp.zeros((batch,), jnp.int32),
+                    draft_hidden=jnp.zeros((batch, self.config.hidden_size), dtype))
+
+    def admit(self, dparams, tparams, spec, state, chunk, successor, features, first, final):
+        """The drafter's pages over a prefill chunk's pairs (g_t, x_{t+1}) (successor [C]: each token's x_{t+1};
+        features [C, F]), written through the segments' page tables -> (state with its pages, the rows of the final
+        segments: their pairs and the drafter's output at their last position)."""
         h = drafter_lib.project_features(dparams, self.config, features)
-        layout = Layout.uniform(state.page_table, jnp.zeros((B,), jnp.int32), Tp)
-        out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, nxt, state.draft_pages,
-                                         layout, spec.kernels, spec.tp)
-        return dict(draft_pages=pages, draft_lengths=prompt_lengths,
-                    draft_hidden=out[jnp.arange(B), prompt_lengths - 1])
+        out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h[None], successor[None],
+                                         state.draft_pages, chunk.layout, spec.kernels, spec.tp)
+        last = jnp.clip(chunk.cu[1:] - 1, 0, chunk.tokens.shape[0] - 1)
+        return dataclasses.replace(state, draft_pages=pages), dict(draft_lengths=chunk.lengths,
+                                                                   draft_hidden=out[0, last])
 
     def propose(self, dparams, tparams, state, keys, spec):
         """The drafter's chain: (drafts [B, G] target ids, q [B, G, Vd] or None, q's target ids or None, the

@@ -36,15 +36,13 @@ import queue
 from collections.abc import Iterator, Sequence
 
 import jax
-import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, page_pool, round_costs, slots, spec_round
+from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, page_pool, round_costs, spec_round
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
-from eagle3_jax.decoding.live_plan import admission_shapes
-from eagle3_jax.decoding.request import Request, bucket_length, is_int
+from eagle3_jax.decoding.request import Request, is_int
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 from eagle3_jax.parallel import steps as parallel_steps
@@ -61,9 +59,13 @@ DEFAULT_EXACT = False
 # want. A slot holds no KV of its own (its sequence's pages do), so slots are cheap.
 MAX_DEFAULT_BATCH = 256
 CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and demos
-# The most padded prompt tokens (rows x bucket) one admission prefills at once: bounds prefill's working
-# memory (activations, attention scores) whatever the pool size.
-PREFILL_TOKENS = 8192
+# Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries (BENCHMARKS.md, the mixed steps'
+# design decision).
+PREFILL_CHUNK = 512
+# Engine(prefill_sequences=None): prompts one chunk holds, one for each PROMPT_TOKENS_PER_SEQUENCE of its tokens
+# (2 to 16). A chunk's arrays and its attention kernel's grid are that wide whatever it holds, so a few prompts of
+# typical length fill it, where one per token would launch mostly empty work.
+PROMPT_TOKENS_PER_SEQUENCE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +92,15 @@ class Result:
     rounds: list[RoundTrace] | None = None  # per-round detail, with trace=True
     # The gamma each round of accept_lengths ran (all the engine's gamma unless num_draft_tokens="auto").
     gammas: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0  # the prompt tokens served from the prefix cache (Engine(prefix_caching=...))
 
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
-jit_empty = jax.jit(slots.empty, static_argnames=("spec",))
-jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",), donate_argnames=("pages",))
-jit_insert = jax.jit(slots.insert, donate_argnames=("rows",))
+jit_empty = jax.jit(spec_round.new_rows, static_argnums=(0, 1, 2, 3, 4))
+jit_prefill = jax.jit(spec_round.prefill, static_argnames=("spec",), donate_argnames=("state",))
 jit_rounds = jax.jit(spec_round.spec_rounds, static_argnames=("spec", "num_rounds"), donate_argnames=("state",))
 jit_new_pages = jax.jit(spec_round.new_pages, static_argnums=(0, 1, 2, 3))
-ONE_DEVICE = parallel_steps.Steps(jit_empty, jit_prefill, jit_insert, jit_rounds, put=jax.device_put,
+ONE_DEVICE = parallel_steps.Steps(jit_empty, jit_prefill, jit_rounds, put=jax.device_put,
                                   fetch=jax.device_get, new_pages=jit_new_pages)
 
 
@@ -111,8 +113,9 @@ class Engine:
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, max_draft_tokens: int | None = None, round_costs=None,
-                 mesh=None, kv_tokens: int | None = None, page_size: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, max_draft_tokens: int | None = None, round_costs=None,
+                 mesh=None, kv_tokens: int | None = None, page_size: int | None = None,
+                 prefill_sequences: int | None = None, prefix_caching: bool = True):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
         in the row's own tokens, no weights), or None (spec off); anything else is refused.
         num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
@@ -142,8 +145,17 @@ class Engine:
         KV that does not fit in the device's free memory is refused here, before anything is allocated.
         page_size: tokens per page (None: page_pool.default_page_size: DEFAULT_PAGE_SIZE, less for a max_len below
         it).
-        prefill_tokens: the most padded prompt tokens (rows x prompt bucket) one admission prefills at once,
-        which bounds prefill's working memory; a longer prompt is still prefilled, alone.
+        prefill_chunk: the prompt tokens each call of rounds carries in its first round's target forward (a mixed
+        step: the chunk rides on the weights the rounds read anyway), packed from one or more prompts; a longer
+        prompt goes on in the next call's chunk. A prompt's row joins the pool's rounds after its last chunk. With
+        no row running, and always with exact=True (its kernels' results must not depend on a chunk beside them),
+        a chunk is a call of its own.
+        prefill_sequences: the most prompts one chunk holds (None: one per PROMPT_TOKENS_PER_SEQUENCE of
+        prefill_chunk, 2 to 16, at most max_batch).
+        prefix_caching: full pages of committed KV (the target's and the drafter's) are kept, keyed by a sha256
+        chain of the tokens they hold and all before them, and a later prompt with the same prefix starts after
+        them (`Result.cached_tokens`); the cache outlives a request (the same engine's next one reuses it) and gives
+        its pages up least-recently-used when sequences need them (decoding/page_pool.py).
         mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md); None: the target's
         (load_target(mesh=...)), else one device. A target and drafter not yet on it are placed there (the
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
@@ -154,6 +166,9 @@ class Engine:
         max_len = engine_args.check_sizes(cfg, proposer is not None, gamma, max_len, rounds_per_call)
         engine_args.check_max_batch(max_batch)
         engine_args.check_pages(kv_tokens, page_size, max_len)
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching
         kernels = kernels_lib.check(kernels or kernels_lib.default())
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
@@ -173,9 +188,13 @@ class Engine:
         default_batch = CPU_DEFAULT_BATCH if jax.default_backend() == "cpu" else MAX_DEFAULT_BATCH
         self.max_batch = default_batch if max_batch is None else int(max_batch)
         self._rounds_per_call = int(rounds_per_call)
-        if not is_int(prefill_tokens) or prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
-        self.prefill_tokens = int(prefill_tokens)
+        if not is_int(prefill_chunk) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if prefill_sequences is not None and (not is_int(prefill_sequences) or prefill_sequences < 1):
+            raise ValueError(f"prefill_sequences must be None or a positive int, got {prefill_sequences!r}")
+        self.prefill_chunk = int(prefill_chunk)
+        default = min(16, max(2, prefill_chunk // PROMPT_TOKENS_PER_SEQUENCE))
+        self.prefill_sequences = min(self.max_batch, int(prefill_sequences or default), self.prefill_chunk)
         # Under "auto", the largest gamma; prefill packs its output at this width.
         self.num_draft_tokens = gamma if proposer is not None else 0
         self._given_costs, self._costs = round_costs, {}
@@ -192,6 +211,7 @@ class Engine:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
         self.page_pool = self._page_pool(kv_tokens, page_size or page_pool.default_page_size(max_len))
         self.preemptions = 0  # sequences preempted (their pages freed, recomputed later) since construction
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache since construction (Result.cached_tokens)
         # Without a proposer that samples its drafts (none, or prompt lookup, whose drafts are tokens) "sample" is
         # "argmax": one sampling build for either choice.
         samples = proposer is not None and proposer.samples_drafts
@@ -251,7 +271,7 @@ class Engine:
 
     @property
     def spec(self) -> spec_round.StepSpec:
-        """The static configuration the jitted steps (`jit_prefill`, `jit_rounds`) are compiled for when
+        """The static configuration the jitted steps (`jit_rounds`, `jit_prefill`) are compiled for when
         every row is greedy (requests with a sampled row run it with `sampling=True`)."""
         return self._spec
 
@@ -313,11 +333,13 @@ class Engine:
     def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
         P = request.num_rows
         tokens, accepts, gammas, traces = ([[] for _ in range(P)] for _ in range(4))
+        cached = [0] * P
         bar = progress_lib.progress_bar(P, self._pool_rows(request), progress)
         try:
             for event in self._events(request, trace):
                 i = event.request
                 tokens[i].extend(event.tokens)
+                cached[i] = max(cached[i], event.cached_tokens)
                 if event.gamma is not None:  # a speculative round
                     accepts[i].append(event.accepted)
                     gammas[i].append(event.gamma)
@@ -327,7 +349,7 @@ class Engine:
                     bar.add(len(event.tokens), event.finished)
                 if event.finished:
                     yield i, Result(tokens[i], event.finish_reason, accepts[i], traces[i] if trace else None,
-                                    gammas[i])
+                                    gammas[i], cached[i])
         finally:
             if bar is not None:
                 bar.close()
@@ -341,52 +363,45 @@ class Engine:
                                top_p=top_p, seed=seed)
         return ((e.request, e.tokens) for e in self._events(request) if e.tokens)
 
-    def compile(self, longest_prompt: int, *, shortest_prompt: int = 1, samples: bool = False,
-                top_k: int = 0) -> int:
-        """Runs every step a full pool (max_batch slots) can run for prompts of shortest_prompt to
-        longest_prompt tokens once, on dummy rows that own no pages (nothing is written), so that no later
-        request of such prompts that fills the pool waits on XLA (a request of fewer prompts runs a pool of as many
-        slots, compiled on first use): each admission's prefill (prompt bucket x rows, as live_plan's scheduler
-        groups them) and the call of rounds (of every gamma under "auto", whose round costs at the pool's size it
-        also measures or loads); greedy, or when `samples` the sampling build that rows of this `top_k` take (0:
-        the radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
-        either way). Returns how many prefill shapes ran."""
-        temperature = 1.0 if samples else 0.0
-        template = self.request([[0] * longest_prompt], 1, temperature=temperature, top_k=top_k)
+    def compile(self, *, samples: bool = False, top_k: int = 0) -> int:
+        """Runs every call a full pool (max_batch slots) can run once, on free rows (nothing is written), so that
+        no later request that fills the pool waits on XLA (a request of fewer prompts runs a pool of as many
+        slots, compiled on first use): the call of rounds of every gamma (under "auto", also holding its pairs,
+        whose round costs at the pool's size it also measures or loads), with and without a chunk of prompt tokens,
+        and a chunk's call of its own; greedy, or when `samples` the sampling build that rows of this `top_k` take
+        (0: the radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix
+        build either way). Returns how many calls ran."""
+        template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
         spec = self._build(template)
-        prefill_spec, pool = self._prefill_build(spec), self.max_batch
-        params, steps, pages, width = (self.target.params, self._draft_params), self._steps, self.page_pool, \
-            self.table_width
+        pool, steps, pages = self.max_batch, self._steps, self.page_pool
+        params = (self.target.params, self._draft_params)
+        rows = steps.empty(self.spec, pool, self.table_width, int(template.stop_ids.shape[1]),
+                           self.target.params["embed"].dtype)
+        chunk = steps.put(live.device_chunk(live_plan.empty_chunk(
+            self.prefill_chunk, self.prefill_sequences, self.table_width, int(template.stop_ids.shape[1]), pool,
+            alone=False, history=self.max_len if self.keeps_history else 0)))
+        calls = 0
         pages.acquire()
         try:
-            free = spec_round.Admission.unpaged(live_plan.free_rows(template, pool, self.max_len), width)
-            rows = steps.empty(*params, pages.arrays, steps.put(free), spec=prefill_spec)
-            lengths = sorted({min(bucket_length(n, self.max_len), longest_prompt)
-                              for n in range(shortest_prompt, longest_prompt + 1)})
-            shapes = 0
-            for length in lengths:
-                (row,) = live_plan.request_rows(self.request([[0] * length], 1, temperature=temperature,
-                                                             top_k=top_k), self.max_len)
-                for count in admission_shapes(pool, bucket_length(length, self.max_len), self.prefill_tokens):
-                    admission = spec_round.Admission.unpaged(live_plan.stack([row] * count, count, self.max_len),
-                                                             width)
-                    fresh, _ = steps.prefill(*params, pages.arrays, steps.put(admission), spec=prefill_spec)
-                    fresh, pages.arrays = spec_round.split_pages(fresh)
-                    drop = np.full((count,), pool, np.int32)  # every row dropped: the pool stays free
-                    rows = steps.insert(rows, fresh, steps.put(drop))
-                    shapes += 1
-            for call in self._calls():  # every row is free (done): the calls write nothing
-                state = spec_round.with_pages(rows, pages.arrays)
-                state, packed = steps.rounds(*params, state, spec=dataclasses.replace(spec, gamma=call.gamma,
-                                                                                      flush=call.flush),
-                                             num_rounds=self.rounds_per_call)
-                rows, pages.arrays = spec_round.split_pages(state)
-                steps.fetch(packed)
+            for call in self._calls():
+                for with_chunk in (False, True) if not self.spec.exact else (False,):
+                    call_spec = dataclasses.replace(spec, gamma=call.gamma, flush=call.flush)
+                    state, packed = steps.rounds(*params, spec_round.with_pages(rows, pages.arrays),
+                                                 chunk if with_chunk else None, spec=call_spec,
+                                                 num_rounds=self.rounds_per_call)
+                    rows, pages.arrays = spec_round.split_pages(state)
+                    steps.fetch(packed)
+                    calls += 1
+            state, packed = steps.prefill(*params, spec_round.with_pages(rows, pages.arrays), chunk,
+                                          spec=self._prefill_build(spec))
+            rows, pages.arrays = spec_round.split_pages(state)
+            steps.fetch(packed)
+            calls += 1
             if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
                 self.round_costs(pool, 0.0, template)
         finally:
             pages.release()
-        return shapes
+        return calls
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -435,15 +450,21 @@ class Engine:
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
         params, pages = (self.target.params, self._draft_params), self.page_pool
-        free = spec_round.Admission.unpaged(live_plan.free_rows(template, batch, self.max_len), self.table_width)
-        rows = jit_empty(*params, pages.arrays, jax.device_put(free), spec=self._prefill_build(spec))
+        rows = jit_empty(self.spec, batch, self.table_width, int(template.stop_ids.shape[1]),
+                         self.target.params["embed"].dtype)
         table = round_costs.timing_table(batch, pages.num_pages, self.table_width)
         state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), jax.device_put(table), length,
                                         self.target.config.vocab_size, self.max_len)
         seconds, state = round_costs.time_calls(
-            lambda s: jit_rounds(*params, s, spec=spec, num_rounds=self.rounds_per_call), state)
+            # The chunk given as the pool gives it (None, by position): jit keys its cache on how arguments are passed.
+            lambda s: jit_rounds(*params, s, None, spec=spec, num_rounds=self.rounds_per_call), state)
         _, pages.arrays = spec_round.split_pages(state)
         return seconds
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether the proposer keeps a token history a chunk must bring whole (prompt lookup)."""
+        return self._proposer is not None and self._proposer.keeps_history
 
     @property
     def holds_pairs(self) -> bool:
@@ -484,3 +505,4 @@ class Engine:
         finally:
             pool.close()
             self.preemptions += pool.preemptions
+            self.cached_tokens += pool.cached_tokens

@@ -2,12 +2,12 @@
 
 `LivePool.submit` checks a prompt and its settings (ValueError before any device work) and queues it; a
 thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (stop aborted rows,
-resize the pool, stop preempted rows, prefill admissions into their slots' pages, load the page table, dispatch
-a call of rounds) and reads the operations' transfers in the order they were dispatched, handing each request's
-tokens to its callback as its rounds complete. `abort` frees a request's slot and pages at the next step.
-Callers never wait on the scheduler: submit and abort only queue, under a lock the scheduler holds for no device
-work. The pool holds its engine's KV pages (page_pool.py) from construction to `close`: one pool runs on an
-engine at a time.
+resize the pool, stop preempted rows, load the page table, dispatch a call of rounds with its chunk of prompt
+tokens, or the chunk in a call of its own) and reads the operations' transfers in the order they were
+dispatched, handing each request's tokens to its callback as its rounds complete. `abort` frees a request's slot
+and pages at the next step. Callers never wait on the scheduler: submit and abort only queue, under a lock the
+scheduler holds for no device work. The pool holds its engine's KV pages (page_pool.py) from construction to
+`close`: one pool runs on an engine at a time.
 
 Requests of different settings share the pool: every row carries its own sampling settings (greedy rows with
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from eagle3_jax.decoding import gamma_policy, slots, spec_round
-from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, free_rows, live_row
+from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row
 from eagle3_jax.decoding.request import Request
 
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
@@ -66,11 +66,16 @@ class LivePool:
             policy = gamma_policy.Fixed(engine.num_draft_tokens)
         self._pages = engine.page_pool
         self._pages.acquire()
-        self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_tokens,
-                                        engine.rounds_per_call, policy, engine.drafter is not None, self._pages,
-                                        engine.table_width, engine.num_draft_tokens, shrink, trace)
+        self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_chunk,
+                                        engine.prefill_sequences, engine.rounds_per_call, policy,
+                                        engine.drafter is not None, self._pages,
+                                        engine.table_width, engine.num_draft_tokens, stop_width, shrink, trace,
+                                        alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
+                                        with_next=engine.holds_pairs, history=engine.keeps_history)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
-        self._queue: collections.deque = collections.deque()  # (kind, packed, gamma, owners) dispatched, unread
+        # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it)
+        # dispatched, unread
+        self._queue: collections.deque = collections.deque()
         self._lock = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", id, row, callback) or ("abort", id), in call order
         self._callbacks: dict[int, Callable[[Event], None]] = {}
@@ -182,15 +187,19 @@ class LivePool:
                     continue
                 in_flight = self._rounds_in_flight()
                 self._execute(self._scheduler.plan(in_flight, idle=not self._queue))
-                if in_flight == 0 and len(self._queue) == 1 and self._queue[0][0] == "rounds":
+                if self._rounds_in_flight() == 0 and self._queue:
+                    # a chunk's call of its own: the rows it joins need not wait for its read to run their rounds
+                    self._execute(self._scheduler.plan(0, idle=False))
+                if in_flight == 0 and self._rounds_in_flight() == 1:
                     # the call just dispatched is all in flight: the next may go ahead of reading it (the device
                     # then does not idle on the host), as the scheduler decides
                     self._execute(self._scheduler.plan(1, idle=False))
                 if not self._queue:  # running requests, and nothing planned for them: they would never finish
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
-                kind, packed, gamma, owners = self._queue.popleft()
+                kind, packed, gamma, owners, chunk_owners, synced = self._queue.popleft()
                 self._events.append(("transfer", tuple(packed.shape)))
-                self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed)))
+                self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed),
+                                                   chunk_owners, synced))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
                 self.error = e
@@ -215,6 +224,11 @@ class LivePool:
         """Sequences this pool preempted (their pages freed, recomputed later)."""
         return self._scheduler.preemptions
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens this pool's admissions served from the prefix cache."""
+        return self._scheduler.cached_tokens
+
     def _execute(self, step: Step) -> None:
         engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine._steps, self._pages
         params = (engine.target.params, engine._draft_params)
@@ -223,36 +237,39 @@ class LivePool:
         if step.resize is not None:
             if self._rows is None:
                 self._events.append(("allocate", (step.size,)))
-                template = spec_round.Admission.unpaged(free_rows(self.check([0], 1), step.size, engine.max_len),
-                                                        engine.table_width)
-                spec = engine._prefill_build(engine._build(template.request)) if self._always_sampling else engine.spec
-                self._rows = steps.empty(*params, pages.arrays, steps.put(template), spec=spec)
+                self._rows = steps.empty(engine.spec, step.size, engine.table_width, self.stop_width,
+                                         engine.target.params["embed"].dtype)
             else:
                 self._rows = jit_resize(self._rows, steps.put(step.resize))
         if step.preempt:
             self._rows = jit_release(self._rows, steps.put(np.array(step.preempt, np.int32)))
-        for admission in step.admissions:
-            request = scheduler.admission_request(admission)
-            sampled = self._always_sampling or bool(np.any(request.sampling.temperature > 0))
-            spec = engine._prefill_build(engine._build(request) if sampled else engine.spec)
-            self._events.append(("prefill", ()))
-            rows = spec_round.Admission(request, admission.page_table, admission.resume_token, admission.generated)
-            fresh, packed = steps.prefill(*params, pages.arrays, steps.put(rows), spec=spec)
-            fresh, pages.arrays = spec_round.split_pages(fresh)
-            targets = np.full((admission.rows,), step.size, np.int32)
-            targets[: len(admission.slots)] = admission.slots
-            self._rows = steps.insert(self._rows, fresh, steps.put(targets))
-            owners = np.full((admission.rows,), -1, np.int64)
-            owners[: len(admission.requests)] = admission.requests
-            self._queue.append(("admit", packed, engine.num_draft_tokens, owners))
+        if step.page_table is not None:
+            self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
+        chunk = step.chunk
+        sampled = step.sampling or self._always_sampling
+        build = engine._build(scheduler.busy_settings(chunk)) if sampled else engine.spec
+        on_device = None if chunk is None else steps.put(device_chunk(chunk))
         if step.rounds is not None:
-            if step.page_table is not None:
-                self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
-            sampled = step.sampling or self._always_sampling
-            build = engine._build(scheduler.busy_settings()) if sampled else engine.spec
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
-            self._events.append(("call", (engine.rounds_per_call,)))
+            mixed = chunk is not None and not chunk.alone
+            self._events.append(("call", (engine.rounds_per_call,) + ((len(chunk.tokens),) if mixed else ())))
             state = spec_round.with_pages(self._rows, pages.arrays)
-            state, packed = steps.rounds(*params, state, spec=spec, num_rounds=engine.rounds_per_call)
+            state, packed = steps.rounds(*params, state, on_device if mixed else None, spec=spec,
+                                         num_rounds=engine.rounds_per_call)
             self._rows, pages.arrays = spec_round.split_pages(state)
-            self._queue.append(("rounds", packed, step.rounds.gamma, scheduler.owner.copy()))
+            synced = step.rounds.gamma > 0 or step.rounds.flush or not engine.holds_pairs
+            self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
+                                synced))
+        if chunk is not None and (chunk.alone or step.rounds is None):
+            self._events.append(("prefill", (len(chunk.tokens),)))
+            state = spec_round.with_pages(self._rows, pages.arrays)
+            state, packed = steps.prefill(*params, state, on_device, spec=engine._prefill_build(build))
+            self._rows, pages.arrays = spec_round.split_pages(state)
+            self._queue.append(("chunk", packed, engine.num_draft_tokens, None, chunk.owners, True))
+
+
+def device_chunk(chunk) -> spec_round.Chunk:
+    """A chunk plan's arrays as spec_round.Chunk takes them (host arrays, for the steps' put)."""
+    return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, chunk.slot,
+                            chunk.next_token, chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling,
+                            chunk.history)

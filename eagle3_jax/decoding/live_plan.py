@@ -1,28 +1,38 @@
 """The live pool's scheduler: host bookkeeping of requests that arrive and leave while the pool runs, and the
 decision of each step as data (`Step`) for a runner to execute (live.py).
 
-A request waits in arrival order until a slot and its pages are free; `plan` then admits it (prefill into a
-slot's pages), frees the slots of aborted requests, resizes the pool to the batch it needs, gives the running
-rows the pages the next call of rounds may write into, and picks that call. The pool holds `size` slots, a power
-of four up to max_batch: enough for the running and waiting requests, so that a lone request runs rounds of one
-row, not of max_batch. A pool that does not `shrink` (Engine.generate's, whose requests all arrive at once) keeps
-its size to the end, so its tail compiles no smaller pool.
+A request waits in arrival order until a slot and its pages are free. Its prompt is then prefilled in chunks
+(`ChunkPlan`): each call of rounds carries up to `prefill_chunk` prompt tokens, of one or more prompts packed, in
+its first round's target forward (a mixed step); a prompt longer than that goes on in the next call's chunk, and
+when its last chunk has run, its first token is drawn and its row joins the pool for the next call's rounds. With
+no running row, or for an exact engine, a chunk is a call of its own (`ChunkPlan.alone`). `plan` also frees the
+slots of aborted requests, resizes the pool to the batch it needs, gives the running rows the pages the next
+call may write into, and picks that call's gamma. The pool holds `size` slots, a power of four up to max_batch:
+enough for the running and waiting requests, so that a lone request runs rounds of one row, not of max_batch. A
+pool that does not `shrink` (Engine.generate's, whose requests all arrive at once) keeps its size to the end,
+so its tail compiles no smaller pool.
 
-Pages (page_pool.py): a sequence holds the pages of its committed KV and of every position its dispatched calls
-may write (a call of R rounds of gamma G writes at most R (G + 1) positions past the committed ones; nothing past
-max_len). An admission takes its prompt's pages, and is made only while the running rows' next call and its own
-first one fit beside it. When the running rows' next call does not fit, the youngest running sequence is
-preempted: its pages are freed and it waits again, ahead of the others, to be recomputed from its prompt and the
-tokens it already emitted (spec_round.Admission's resume token: the recompute rebuilds the caches and draws
-nothing, so a sampled row goes on with its own random stream). A preemption needs the host to know every token:
-it happens only when nothing is in flight; until then the call waits.
+Pages (page_pool.py): a sequence holds the pages of its prompt's KV as its chunks write it, then of its committed
+KV and of every position its dispatched calls may write (a call of R rounds of gamma G writes at most R (G + 1)
+positions past the committed ones; nothing past max_len). A prompt is admitted only while the running rows' next
+call (at the largest gamma) and its whole prompt and first call fit in the free pages beside them. When the
+running rows' next call does not fit, the youngest sequence (running or prefilling) is preempted: its pages are
+freed and it waits again, ahead of the others, to be recomputed from its prompt and the tokens it already emitted
+(a chunk's resume token: the recompute rebuilds the caches and draws nothing, so a sampled row goes on with its
+own random stream). A preemption needs the host to know every token: it happens only when nothing is in flight;
+until then the call waits.
+
+Prefix caching (page_pool.py): a sequence admitted first takes the cached pages of its longest cached prefix of
+whole pages (at least its last token is computed) and its chunks start after them; a sequence's full pages of
+committed KV join the cache as its chunks write them, and as its rounds commit them once its drafter's KV is up to
+date (every call that drafts, or that brings a held drafter up to date).
 
 While some running row surely needs another call (more tokens left than the call in flight can emit), the
 next call is planned before the one in flight is read, so the device does not idle on the host. While requests
 wait for slots, only when every running row needs it: a slot freed by the call in flight is then refilled
-before another call runs without it. `read` attributes one operation's transfer to the
-requests that held its rows when it was dispatched (the owner snapshot travels with the operation), so a row
-that finished or was aborted while the operation was in flight is ignored.
+before another call runs without it. `read` attributes one operation's transfer to the requests that held its
+rows when it was dispatched (the owner snapshots travel with the operation), so a row that finished or was
+aborted while the operation was in flight is ignored.
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from typing import Protocol
 
 import numpy as np
 
-from eagle3_jax.decoding.page_pool import PagePool, pages_for
-from eagle3_jax.decoding.request import Request, bucket_length
+from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
+from eagle3_jax.decoding.request import Request
 from eagle3_jax.decoding.round_output import RoundOutput
 from eagle3_jax.decoding.sampling import SamplingParams
 
@@ -55,33 +65,29 @@ class Policy(Protocol):
     def may_choose_ahead(self) -> bool: ...
 
 
-def admission_rows(count: int, pool: int) -> int:
-    """The rows a prefill of `count` prompts runs: a power of four, at most the pool, so that few shapes
-    compile (a prefill compiles per rows x prompt bucket) while padding stays under 3/4 of a prefill."""
-    rows = 1
-    while rows < count:
-        rows *= 4
-    return min(rows, pool)
-
-
-def admission_shapes(pool: int, bucket: int, prefill_tokens: int) -> list[int]:
-    """The row counts admissions of prompts of one bucket can run (`LiveScheduler._admit`'s rule): every
-    admission_rows(n) that one prefill of prefill_tokens holds, and 1 always."""
-    return sorted({admission_rows(n, pool) for n in range(1, pool + 1)
-                   if n == 1 or admission_rows(n, pool) * bucket <= prefill_tokens})
-
-
 @dataclasses.dataclass(frozen=True)
-class Admission:
-    """Sequences prefilled together into slots: request i of `requests` goes to slot `slots[i]`, its KV into the
-    pages of row i of `page_table`."""
+class ChunkPlan:
+    """A chunk's prompt tokens as the host lays them out (spec_round.Chunk's fields, numpy), and whose they are."""
 
-    requests: tuple[int, ...]  # request ids
-    slots: tuple[int, ...]
-    rows: int  # the prefill's rows (admission_rows of the count): padding rows are dropped
-    page_table: np.ndarray  # [rows, W] int32; -1 past each row's pages, and for the padding rows
-    resume_token: np.ndarray  # [rows] int32: a recompute's newest token, -1 for a new prompt (spec_round.Admission)
-    generated: np.ndarray  # [rows] int32: tokens each row emitted before (a recompute's), 0 for a new prompt
+    tokens: np.ndarray  # [C] int32
+    cu: np.ndarray  # [P + 1] int32
+    start: np.ndarray  # [P] int32
+    table: np.ndarray  # [P, W] int32
+    final: np.ndarray  # [P] bool
+    slot: np.ndarray  # [P] int32
+    next_token: np.ndarray  # [P] int32
+    generated: np.ndarray  # [P] int32
+    max_new: np.ndarray  # [P] int32
+    stop_ids: np.ndarray  # [P, width] int32
+    sampling: SamplingParams  # [P]
+    owners: np.ndarray  # [P] int64: the request whose prompt each final segment ends (-1: none)
+    alone: bool  # a call of its own (no running row, or an exact engine), not riding in a call of rounds
+    history: np.ndarray | None = None  # [P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+
+    @property
+    def samples(self) -> bool:
+        """Whether some final segment draws its first token (a sampling build then)."""
+        return bool(np.any(self.final & (self.next_token < 0) & (self.sampling.temperature > 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +99,12 @@ class Step:
     # None: the layout is unchanged. The first step of a pool (no state yet) allocates `size` free slots.
     resize: np.ndarray | None
     size: int  # the pool's slots after the resize
-    preempt: tuple[int, ...]  # slots (after the resize) whose preempted rows stop, before the admissions
-    admissions: tuple[Admission, ...]
+    preempt: tuple[int, ...]  # slots (after the resize) whose preempted rows stop
     rounds: object | None  # the call of rounds to dispatch (gamma_policy.Call), None: none this step
-    sampling: bool  # whether the call's rows include a sampled one (the sampling build); else the greedy one
+    chunk: ChunkPlan | None  # prompt tokens: in the call of rounds, or (chunk.alone) after it in a call of their own
+    sampling: bool  # whether the call's rows (or its chunk's first tokens) include a sampled one: the sampling build
     page_table: np.ndarray | None  # [size, W] every slot's pages, to load before the call; None: unchanged
+    owners: np.ndarray  # [size] int64: the request running in each slot (-1: none), the call of rounds' rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +113,13 @@ class Event:
 
     request: int
     tokens: list[int]
-    accepted: int  # drafts committed (0 for prefill and plain rounds)
-    drafted: int  # drafts the round proposed for this row (its gamma; 0 for prefill and plain rounds)
+    accepted: int  # drafts committed (0 for a first token and plain rounds)
+    drafted: int  # drafts the round proposed for this row (its gamma; 0 for a first token and plain rounds)
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
-    gamma: int | None = None  # a speculative round's drafts per round (0 included); None for prefill, spec off
+    gamma: int | None = None  # a speculative round's drafts per round (0 included); None for a first token, spec off
     trace: tuple[list[int], list[int]] | None = None  # with trace: a speculative round's (drafts, target choices)
+    cached_tokens: int = 0  # with the first token: the prompt tokens served from the prefix cache
 
 
 @dataclasses.dataclass
@@ -120,16 +128,37 @@ class _Live:
     left: int  # tokens it may still emit
     length: int  # its sequence length as read (prompt + emitted)
     slot: int = -1  # -1 while waiting
-    prefilled: bool = False  # its KV is on the device (or dispatched) and its newest token is known
+    prefilled: bool = False  # its newest token is known (its first token read, or a recompute's)
+    joined: bool = False  # its row is in the pool (its last chunk dispatched): it runs rounds
+    computed: int = 0  # positions of its sequence to (re)compute that dispatched chunks write
     tokens: list[int] = dataclasses.field(default_factory=list)  # what it emitted: a recompute's input
     pages: list[int] = dataclasses.field(default_factory=list)  # the pages it holds, in position order
     unread: collections.deque = dataclasses.field(default_factory=collections.deque)  # dispatched calls' R (G + 1)
-    order: int = -1  # when it was last admitted: the youngest running sequence is preempted first
+    order: int = -1  # when it was last admitted: the youngest sequence is preempted first
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
+    cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
+    synced: int = 0  # committed positions whose drafter KV is up to date (the cache keeps no page past them)
+
+    def known(self) -> np.ndarray:
+        """Every token of its sequence the host knows: the prompt, then what it emitted."""
+        prompt = self.row.tokens[0, : int(self.row.lengths[0])]
+        return np.concatenate([prompt, np.asarray(self.tokens, np.int32)]).astype(np.int32)
+
+    def sequence(self) -> tuple[np.ndarray, int]:
+        """(the tokens whose KV it must hold before it runs rounds, its resume token or -1): a new prompt, or a
+        recompute's prompt and emitted tokens but the newest, which is its resume token."""
+        prompt = self.row.tokens[0, : int(self.row.lengths[0])]
+        if not self.prefilled:
+            return prompt, -1
+        return np.concatenate([prompt, np.asarray(self.tokens[:-1], np.int32)]).astype(np.int32), self.tokens[-1]
 
     @property
     def committed(self) -> int:
-        """KV positions it holds once what is dispatched has run, before any call in flight: its sequence but the
-        newest token (not yet in any cache), or while its first token is unread, the prompt."""
+        """KV positions it holds once what is dispatched has run, before any call in flight: while it prefills,
+        what its chunks wrote; then its sequence but the newest token (not yet in any cache), or while its first
+        token is unread, the prompt."""
+        if not self.joined:
+            return self.computed
         return self.length - 1 if self.prefilled else self.length
 
     @property
@@ -139,28 +168,40 @@ class _Live:
 
 
 class LiveScheduler:
-    """The host state of a live pool: waiting and running requests, the slot and pages each holds, the gamma
-    policy. pages: the engine's page pool (page_pool.PagePool), whose free pages this scheduler hands out; width:
-    the page table's columns (kv_cache.table_width)."""
+    """The host state of a live pool: waiting, prefilling and running requests, the slot and pages each holds,
+    the gamma policy. pages: the engine's page pool (page_pool.PagePool), whose free pages this scheduler hands
+    out; width: the page table's columns (kv_cache.table_width); prefill_chunk, prefill_sequences: a chunk's prompt
+    tokens and the most prompts it holds; alone: whether every chunk runs in a call of its own (an exact engine's:
+    its kernels' results must not depend on a chunk beside them); prefix_caching, with_next: whether sequences
+    share cached prefixes, and whether a page's key holds the token after it (page_pool.chain_keys); history:
+    whether a chunk carries each final segment's whole sequence (prompt lookup's history, which a cached prefix
+    would leave without the tokens no chunk holds)."""
 
-    def __init__(self, max_batch: int, max_len: int, prefill_tokens: int, rounds_per_call: int, policy: Policy,
-                 speculative: bool, pages: PagePool, width: int, max_gamma: int, shrink: bool = True,
-                 trace: bool = False):
-        self.max_batch, self.max_len, self.prefill_tokens = max_batch, max_len, prefill_tokens
+    def __init__(self, max_batch: int, max_len: int, prefill_chunk: int, prefill_sequences: int,
+                 rounds_per_call: int, policy: Policy, speculative: bool, pages: PagePool, width: int,
+                 max_gamma: int, stop_width: int, shrink: bool = True, trace: bool = False, alone: bool = False,
+                 prefix_caching: bool = False, with_next: bool = False, history: bool = False):
+        self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
         self.rounds_per_call, self.policy, self.speculative = rounds_per_call, policy, speculative
-        self.pages, self.width, self.max_gamma = pages, width, max_gamma
-        self.shrink, self.trace = shrink, trace
+        self.pages, self.width, self.max_gamma, self.stop_width = pages, width, max_gamma, stop_width
+        self.shrink, self.trace, self.alone = shrink, trace, alone
+        # with_next: the cache keys a page with the token after it (an EAGLE-3 drafter's last entry pairs with it)
+        self.prefix_caching, self.with_next = prefix_caching, with_next
+        self.history = history  # chunks carry a final segment's whole sequence (a proposer's token history)
+        self.chunk_sequences = prefill_sequences
         self.size = 0  # the pool's slots (0: no pool yet)
         self.owner = np.zeros((0,), np.int64)  # request id per slot, -1 free
         self.waiting: collections.deque[int] = collections.deque()
         self.requests: dict[int, _Live] = {}
         self.preemptions = 0  # sequences preempted so far
+        self.cached_tokens = 0  # prompt tokens first admissions took from the prefix cache so far
         self._release: list[int] = []  # slots of aborted rows, for the next step's `release`
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
 
     @property
     def running(self) -> int:
+        """Requests holding a slot (prefilling or running rounds)."""
         return int(np.sum(self.owner >= 0))
 
     def add(self, request_id: int, row: Request) -> None:
@@ -187,13 +228,21 @@ class LiveScheduler:
             self.pages.give_back(live.pages)
             live.pages = []
 
+    def _running(self) -> list[int]:
+        """The requests whose rows run rounds."""
+        return [int(r) for r in self.owner if r >= 0 and self.requests[int(r)].joined]
+
     def samples(self) -> bool:
         """Whether some running request samples."""
-        return any(float(self.requests[r].row.sampling.temperature[0]) > 0 for r in self.owner if r >= 0)
+        return any(float(self.requests[r].row.sampling.temperature[0]) > 0 for r in self._running())
 
-    def busy_settings(self) -> Request:
-        """The running rows as one request (a template for the build and its round costs)."""
-        rows = [self.requests[r].row for r in self.owner if r >= 0] or [next(iter(self.requests.values())).row]
+    def busy_settings(self, chunk: ChunkPlan | None = None) -> Request:
+        """The running rows (and a chunk's final segments) as one request: a template for the build and its round
+        costs."""
+        rows = [self.requests[r].row for r in self._running()]
+        if chunk is not None:
+            rows += [self.requests[int(r)].row for r in chunk.owners if r >= 0]
+        rows = rows or [next(iter(self.requests.values())).row]
         return stack(rows, len(rows), self.max_len)
 
     def plan(self, rounds_in_flight: int, idle: bool | None = None) -> Step:
@@ -203,58 +252,63 @@ class LiveScheduler:
         idle = rounds_in_flight == 0 if idle is None else idle
         release, self._release = tuple(self._release), []
         resize, size = self._resize(rounds_in_flight)
-        admissions = self._admit()
         preempted: list[int] = []
         rounds = None
-        busy = self.owner[self.owner >= 0]
-        # Tokens each running row may still emit once what is in flight arrives (its prefill's first token).
+        busy = self._running()
+        # Tokens each running row may still emit once what is in flight arrives (its first token).
         left = np.array([self.requests[r].left - (not self.requests[r].prefilled) for r in busy])
         if rounds_in_flight == 0 and np.any(left > 0):
             rounds = self._choose()
-        elif rounds_in_flight == 1 and len(busy) and self.policy.may_choose_ahead():
+        elif rounds_in_flight == 1 and busy and self.policy.may_choose_ahead():
             ahead = self._choose()
             need = left > self.rounds_per_call * (ahead.gamma + 1)
             if need.all() if self.waiting else need.any():
                 rounds = ahead
-        # The call's pages (an admission above kept them free for its rows); when the running rows' are not free,
-        # the call waits for what is in flight to be read, or preempts when nothing is.
+        # The call's pages; when the running rows' are not free, the call waits for what is in flight to be read, or
+        # preempts when nothing is.
         if rounds is not None and not self._grow(self.rounds_per_call * (rounds.gamma + 1), idle, preempted):
             rounds = None
+        busy = self._running()  # the call's rows: not the preempted ones, nor those this step's chunk joins
+        # A chunk rides in the call of rounds; with no row running (or for an exact engine) it is a call of its own.
+        chunk = self._chunk(alone=self.alone or rounds is None) if rounds is not None or not busy or self.alone \
+            else None
+        owners = np.full((self.size,), -1, np.int64)
         if rounds is not None:
             self.policy.dispatched(rounds)
-            for r in self.owner[self.owner >= 0]:
-                self.requests[int(r)].unread.append(self.rounds_per_call * (rounds.gamma + 1))
+            for r in busy:
+                self.requests[r].unread.append(self.rounds_per_call * (rounds.gamma + 1))
+                owners[self.requests[r].slot] = r
         table = None
         if rounds is not None and self._table_changed:
             table, self._table_changed = self.page_table(), False
-        return Step(release, resize, size, tuple(preempted), admissions, rounds,
-                    rounds is not None and self.samples(), table)
+        sampling = (rounds is not None and self.samples()) or (chunk is not None and chunk.samples)
+        return Step(release, resize, size, tuple(preempted), rounds, chunk, sampling, table, owners)
 
     def page_table(self) -> np.ndarray:
-        """[size, W] every slot's pages (-1 past them, and for a free slot)."""
+        """[size, W] every running slot's pages (-1 past them, and for a slot with no running row)."""
         table = np.full((self.size, self.width), -1, np.int32)
-        for slot, r in enumerate(self.owner.tolist()):
-            if r >= 0:
-                pages = self.requests[r].pages
-                table[slot, : len(pages)] = pages
+        for r in self._running():
+            live = self.requests[r]
+            table[live.slot, : len(live.pages)] = live.pages
         return table
 
     def _need(self, live: _Live, tail: int) -> int:
-        """More pages `live` needs for a call that may write `tail` positions past its horizon."""
+        """More pages a running `live` needs for a call that may write `tail` positions past its horizon."""
         return pages_for(min(live.horizon + tail, self.max_len), self.pages.page_size) - len(live.pages)
 
     def _grow(self, tail: int, idle: bool, preempted: list[int]) -> bool:
         """Gives every running row the pages a call writing `tail` positions past its horizon needs; when they are
-        not free and `idle`, preempts the youngest running sequences (their slots into `preempted`) until they are.
-        False (nothing taken) when they are not free and a preemption must wait."""
+        not free and `idle`, preempts the youngest sequences, running or prefilling (their slots into `preempted`),
+        until they are. False (nothing taken) when they are not free and a preemption must wait."""
         while True:
-            running = [self.requests[int(r)] for r in self.owner[self.owner >= 0]]
+            running = [self.requests[r] for r in self._running()]
             need = {id(live): self._need(live, tail) for live in running}
             if sum(max(n, 0) for n in need.values()) <= self.pages.free:
                 break
-            if not idle or len(running) <= 1:
+            holders = [self.requests[int(r)] for r in self.owner if r >= 0]
+            if not idle or len(holders) <= 1:
                 return False
-            victim = max(running, key=lambda live: live.order)
+            victim = max(holders, key=lambda live: live.order)
             preempted.append(victim.slot)
             self._preempt(victim)
         for live in running:
@@ -264,10 +318,10 @@ class LiveScheduler:
         return True
 
     def _preempt(self, live: _Live) -> None:
-        """Frees a running sequence's slot and pages and puts it first in line, to be recomputed from its tokens."""
+        """Frees a sequence's slot and pages and puts it first in line, to be recomputed from its tokens."""
         request_id = int(self.owner[live.slot])
         self._free_slot(live)
-        live.slot = -1
+        live.slot, live.joined, live.computed = -1, False, 0
         self.waiting.appendleft(request_id)
         self.preemptions += 1
 
@@ -279,8 +333,7 @@ class LiveScheduler:
         self._table_changed = True
 
     def _choose(self):
-        busy = self.owner[self.owner >= 0]
-        return self.policy.choose(float(np.mean([self.requests[r].length for r in busy])))
+        return self.policy.choose(float(np.mean([self.requests[r].length for r in self._running()])))
 
     def _resize(self, rounds_in_flight: int) -> tuple[np.ndarray | None, int]:
         """Grows the pool to hold the running and waiting requests (up to max_batch), or shrinks it when they
@@ -307,82 +360,157 @@ class LiveScheduler:
         self._table_changed = True
         return index.astype(np.int32), new
 
-    def _sequence(self, live: _Live) -> tuple[int, int]:
-        """(KV length an admission of `live` prefills, its resume token or -1): a new prompt's length, or a
-        recompute's tokens but the newest."""
-        if live.prefilled:
-            return live.committed, live.tokens[-1]
-        return live.length, -1
-
-    def _admit(self) -> tuple[Admission, ...]:
-        """Waiting requests into free slots and free pages, in line order, each prefill at most prefill_tokens
-        padded tokens (one sequence always fits); a request is admitted only while the running rows' next call
-        (at the largest gamma) and its own first one fit in the free pages beside it."""
-        admissions = []
-        free = list(np.flatnonzero(self.owner < 0))
+    def _chunk(self, alone: bool) -> ChunkPlan | None:
+        """The next chunk: up to prefill_chunk tokens of the prefilling sequences (oldest first), then of waiting
+        ones admitted into free slots in line order. Pages: the running rows' next call (at the largest gamma) is
+        kept free first; a prefilling sequence takes its segment's pages beside it; a waiting one is admitted only
+        while its whole prompt and first call fit beside that and every prefilling sequence's rest, so a sequence
+        admitted can always finish its prompt. None when no prompt token can go."""
         tail = self.rounds_per_call * (self.max_gamma + 1)
-        reserved = sum(max(self._need(self.requests[int(r)], tail), 0) for r in self.owner[self.owner >= 0])
-        while free and self.waiting:
-            take, longest = [], 0
-            for r in self.waiting:
-                live = self.requests[r]
-                length = self._sequence(live)[0]
-                longest_with = max(longest, length)
-                if take and (len(take) == len(free) or admission_rows(len(take) + 1, self.size)
-                             * bucket_length(longest_with, self.max_len) > self.prefill_tokens):
-                    break
-                cost = pages_for(min(length + tail, self.max_len), self.pages.page_size)
-                if reserved + cost > self.pages.free:
-                    break
-                reserved += cost
-                take.append(r)
-                longest = longest_with
-            if not take:
+        size = self.pages.page_size
+        reserved = sum(max(self._need(self.requests[r], tail), 0) for r in self._running())
+        prefilling = sorted((self.requests[int(r)] for r in self.owner if r >= 0 and not self.requests[int(r)].joined),
+                            key=lambda live: live.order)
+        budget, segments = self.prefill_chunk, []
+        for live in prefilling:
+            if budget == 0 or len(segments) == self.chunk_sequences:
                 break
-            rows = admission_rows(len(take), self.size)
-            table = np.full((rows, self.width), -1, np.int32)
-            resume, generated = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
-            slots = free[: len(take)]
-            for i, (r, slot) in enumerate(zip(take, slots)):
-                self.waiting.popleft()
-                live = self.requests[r]
-                length, resume[i] = self._sequence(live)
-                generated[i] = len(live.tokens)
-                live.pages = self.pages.take(pages_for(length, self.pages.page_size))
-                table[i, : len(live.pages)] = live.pages
-                live.order, self._admitted = self._admitted, self._admitted + 1
-                self.owner[slot] = r
-                live.slot = int(slot)
-            free = free[len(take):]
-            self._table_changed = True
-            admissions.append(Admission(tuple(take), tuple(int(s) for s in slots), rows, table, resume, generated))
-        return tuple(admissions)
+            sequence, _ = live.sequence()
+            take = min(len(sequence) - live.computed, budget)
+            more = pages_for(live.computed + take, size) - len(live.pages)
+            if reserved + more > self.pages.free:
+                continue
+            live.pages += self.pages.take(more)
+            segments.append((live, take))
+            budget -= take
+        # What the prefilling sequences have yet to take, for their prompts and first calls.
+        reserved += sum(max(pages_for(min(len(live.sequence()[0]) + tail, self.max_len), size) - len(live.pages), 0)
+                        for live in prefilling)
+        free_slots = list(np.flatnonzero(self.owner < 0))
+        while self.waiting and free_slots and budget and len(segments) < self.chunk_sequences:
+            live = self.requests[self.waiting[0]]
+            sequence, _ = live.sequence()
+            cached = self._cached_prefix(live, sequence)
+            whole = pages_for(min(len(sequence) + tail, self.max_len), size) - len(cached)
+            if reserved + whole > self.pages.free:
+                self.pages.give_back(cached)
+                break
+            start = len(cached) * size
+            take = min(len(sequence) - start, budget)
+            taken = pages_for(start + take, size) - len(cached)
+            reserved += whole - taken
+            slot = int(free_slots.pop(0))
+            request_id = self.waiting.popleft()
+            self.owner[slot], live.slot = request_id, slot
+            live.order, self._admitted = self._admitted, self._admitted + 1
+            live.pages, live.computed = cached + self.pages.take(taken), start
+            if not live.prefilled:
+                live.cached_tokens = start
+                self.cached_tokens += start
+            segments.append((live, take))
+            budget -= take
+        if not segments:
+            return None
+        return self._lay_out(segments, alone)
 
-    def admission_request(self, admission: Admission) -> Request:
-        """The sequences of an admission as one request of its rows (prefill's input): a new prompt as submitted,
-        a recompute's prompt and emitted tokens but the newest."""
-        rows = []
-        for r in admission.requests:
-            live = self.requests[r]
-            row = live.row
-            if live.prefilled:
-                sequence = np.concatenate([row.tokens[0, : int(row.lengths[0])], live.tokens[:-1]]).astype(np.int32)
-                row = dataclasses.replace(row, tokens=sequence[None, :], lengths=np.array([len(sequence)], np.int32))
-            rows.append(row)
-        return stack(rows, admission.rows, self.max_len)
+    def _cached_prefix(self, live: _Live, sequence: np.ndarray) -> list[int]:
+        """The cached pages of the longest prefix of whole pages of `sequence` (held now), leaving at least its last
+        token to compute (its logits, its drafter output)."""
+        if not self.prefix_caching:
+            return []
+        usable = (len(sequence) - 1) // self.pages.page_size
+        return self.pages.lookup(self._keys(live, sequence, usable))
 
-    def read(self, kind: str, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
-        """The events of one operation's transfer: kind "admit" (prefill's first tokens, one row per admitted
-        request) or "rounds" ([R, size, ...]); owners: the request id of each output row when it was
-        dispatched (-1: none). A recompute's admission reports nothing."""
+    def _keys(self, live: _Live, tokens: np.ndarray, pages: int) -> list[bytes]:
+        """The first `pages` prefix-cache keys of a sequence whose tokens begin with `tokens` (those it has are
+        kept)."""
+        if len(live.keys) < pages:
+            live.keys = chain_keys(tokens, self.pages.page_size, pages, self.with_next)
+        return live.keys[:pages]
+
+    def _keep(self, live: _Live, tokens: np.ndarray, committed: int) -> None:
+        """Caches the full pages of `live` whose KV and drafter KV hold committed tokens below `committed`, keyed by
+        `tokens` (its sequence, the token after each page included where the key needs it)."""
+        if not self.prefix_caching:
+            return
+        full = min(committed, len(tokens) - 1 if self.with_next else len(tokens)) // self.pages.page_size
+        full = min(full, len(live.pages))
+        for page, key in zip(live.pages[:full], self._keys(live, tokens, full)):
+            self.pages.keep(page, key)
+
+    def _lay_out(self, segments: list, alone: bool) -> ChunkPlan:
+        """The chunk's arrays for these (sequence, tokens taken) segments, each sequence's progress advanced; a
+        sequence whose last chunk this is joins the pool (its row runs from the next call)."""
+        plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.size, alone,
+                           self.max_len if self.history else 0)
+        tokens, cu, start, table, final, slot, next_token = (plan.tokens, plan.cu, plan.start, plan.table, plan.final,
+                                                              plan.slot, plan.next_token)
+        generated, max_new, stop_ids, owners = plan.generated, plan.max_new, plan.stop_ids, plan.owners
+        settings = [getattr(plan.sampling, f) for f in ("temperature", "top_k", "top_p", "seed")]
+        at = 0
+        for p, (live, take) in enumerate(segments):
+            sequence, resume = live.sequence()
+            tokens[at : at + take] = sequence[live.computed : live.computed + take]
+            start[p], slot[p] = live.computed, live.slot
+            table[p, : len(live.pages)] = live.pages
+            live.computed += take
+            self._keep(live, sequence, live.computed)
+            at += take
+            final[p] = live.computed == len(sequence)
+            next_token[p] = resume if final[p] else sequence[live.computed]
+            generated[p], max_new[p] = len(live.tokens), live.row.max_new[0]
+            stop_ids[p] = live.row.stop_ids[0]
+            for field, values in zip(("temperature", "top_k", "top_p", "seed"), settings):
+                values[p] = getattr(live.row.sampling, field)[0]
+            if final[p]:
+                live.joined = True
+                owners[p] = self.owner[live.slot]
+                self._table_changed = True
+                if plan.history is not None:
+                    plan.history[p, : len(sequence)] = sequence
+            cu[p + 1] = at
+        cu[len(segments) + 1 :] = at
+        return plan
+
+    def read(self, kind: str, gamma: int, owners: np.ndarray, outputs: np.ndarray,
+             chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
+        """The events of one operation's transfer: kind "rounds" ([R, size, ...], then a chunk's [P, ...] rows when
+        chunk_owners is given) or "chunk" ([P, ...]); owners: the request id of each round row when it was
+        dispatched (-1: none), chunk_owners: each chunk segment's whose prompt it ended (-1: none); synced: whether
+        the call left its rows' drafter KV up to date (it drafted, or brought held pairs in), so that their full
+        committed pages may be cached. A recompute's chunk reports nothing."""
         events = []
-        speculative = kind == "rounds" and self.speculative
-        if kind == "rounds":
-            for r in set(owners.tolist()):
-                live = self.requests.get(r)
-                if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
-                    live.unread.popleft()
-        for packed in ([outputs] if kind == "admit" else list(outputs)):
+        if chunk_owners is not None:
+            P = chunk_owners.shape[0]
+            rounds, chunk = (outputs[:-P].reshape(-1, len(owners), outputs.shape[-1]), outputs[-P:]) \
+                if kind == "rounds" else (None, outputs)
+        else:
+            rounds, chunk = outputs, None
+        if rounds is not None:
+            events += self._read_rounds(gamma, owners, rounds, synced)
+        if chunk is not None:
+            events += self._read_first_tokens(gamma, chunk_owners, chunk)
+        return events
+
+    def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
+        events = []
+        out = RoundOutput.unpack(outputs, gamma)
+        for p, r in enumerate(owners.tolist()):
+            live = self.requests.get(r)
+            if live is None or live.slot < 0 or self.owner[live.slot] != r or live.prefilled:
+                continue  # gone, or a recompute (its first token was reported once)
+            events.append(self._emitted(live, r, out.tokens[p], bool(out.done[p]), 0, 0, None, None, True,
+                                        live.cached_tokens))
+        return events
+
+    def _read_rounds(self, gamma: int, owners: np.ndarray, outputs: np.ndarray, synced: bool) -> list[Event]:
+        events = []
+        speculative = self.speculative
+        for r in set(owners.tolist()):
+            live = self.requests.get(r)
+            if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
+                live.unread.popleft()
+        for packed in list(outputs):
             out = RoundOutput.unpack(packed, gamma)
             if speculative:
                 self.policy.observe(gamma, out)
@@ -392,22 +520,44 @@ class LiveScheduler:
                 live = self.requests.get(r)
                 if live is None or live.slot < 0 or self.owner[live.slot] != r:
                     continue
-                if kind == "admit" and live.prefilled:  # a recompute: its caches are back, nothing emitted
-                    continue
                 new = out.tokens[row]
-                live.left -= len(new)
-                live.length += len(new)
-                live.tokens += new
-                live.prefilled = True
-                drafted = gamma if speculative and new else 0
-                reason = None
-                if done[row]:
-                    reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
-                    self._free_slot(live)  # done on the device already: nothing to release
-                    del self.requests[r]
-                events.append(Event(r, new, accepted[row] if speculative else 0, drafted, done[row], reason,
-                                    gamma if speculative else None, (drafts[row], choices[row]) if drafts else None))
+                events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
+                                            gamma if speculative and new else 0, gamma if speculative else None,
+                                            (drafts[row], choices[row]) if drafts else None, synced))
         return events
+
+    def _emitted(self, live: _Live, request_id: int, new: list[int], done: bool, accepted: int, drafted: int, gamma,
+                 trace, synced: bool, cached: int = 0) -> Event:
+        """A read's tokens for `live`: its progress, its full committed pages into the cache (while its drafter is
+        up to date: synced), and, when done, its slot and pages free."""
+        live.left -= len(new)
+        live.length += len(new)
+        live.tokens += new
+        live.prefilled = True
+        if synced and new:
+            live.synced = live.length - 1
+            self._keep(live, live.known(), live.synced)
+        reason = None
+        if done:
+            reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
+            self._free_slot(live)  # done on the device already: nothing to release
+            del self.requests[request_id]
+        return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached)
+
+
+def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
+                history: int = 0) -> ChunkPlan:
+    """A chunk of no sequence (nothing is written, nothing joins) of these shapes: tokens [tokens], segments
+    [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size` (none), and histories of
+    `history` tokens (0: none)."""
+    P = sequences
+    settings = SamplingParams(np.zeros((P,), np.float32), np.zeros((P,), np.int32), np.ones((P,), np.float32),
+                              np.zeros((P, 2), np.uint32))
+    return ChunkPlan(np.zeros((tokens,), np.int32), np.zeros((P + 1,), np.int32), np.zeros((P,), np.int32),
+                     np.full((P, width), -1, np.int32), np.zeros((P,), bool), np.full((P,), size, np.int32),
+                     np.full((P,), -1, np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
+                     np.full((P, stop_width), -1, np.int32), settings, np.full((P,), -1, np.int64), alone,
+                     np.zeros((P, history), np.int32) if history else None)
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
@@ -430,13 +580,6 @@ def request_rows(request: Request, max_len: int) -> list[Request]:
     """A checked request's rows (Engine.request) as the one-row requests a live pool takes, stop ids at the
     request's width, each prompt cut to its own bucket."""
     return [_with_settings(request.take([i], 1, max_len)) for i in range(request.num_rows)]
-
-
-def free_rows(template: Request, rows: int, max_len: int) -> Request:
-    """`rows` free slots with the widths of the template's first row (stop ids, prompt bucket), laid out as a live
-    pool lays out its rows: what a pool's state is allocated from, and what timing a call of rounds must use to
-    run the executable the pool runs."""
-    return _with_settings(template.take([0], 1, max_len)).take([], rows, max_len)
 
 
 def _with_settings(row: Request) -> Request:

@@ -1,18 +1,27 @@
 """An engine's KV pages: the device page pools (the target's and, with EAGLE-3, the drafter's, one page id
-addressing both) and the host's record of which pages are free.
+addressing both), the host's record of which pages are free, and the prefix cache.
 
 The pools' shapes are fixed at construction (`num_pages` of `page_size` tokens), so every pool of an engine of
 one configuration compiles the same steps. A live pool (decoding/live.py) takes the pages for its lifetime, one
 at a time (`acquire`), gives each sequence pages as it grows (live_plan.py) and returns them when it finishes,
 is aborted or preempted. The device arrays live here between operations (`arrays`): each operation donates
 them and stores what it returns, so one buffer per layer exists at any time.
+
+Prefix cache: a full page of committed KV is kept under the key of the tokens it holds and everything before them
+(`chain_keys`: a sha256 hash chain, since a server exposes the cache to every client), and a later sequence
+with the same prefix holds the same page (`lookup`) instead of computing it again. Pages count their holders; a
+cached page no sequence holds waits in least-recently-used order and counts as free: taking pages evicts the
+oldest of them once no page is free otherwise, so they go before any running sequence is preempted, and a page
+in use is never evicted. The cache lives as long as the engine (across its requests).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -26,6 +35,20 @@ KV_PAGE_QUANTUM = 256  # ... in whole multiples of this many pages, so the pools
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` positions."""
     return -(-tokens // page_size)
+
+
+def chain_keys(tokens: Sequence[int], page_size: int, pages: int, with_next: bool) -> list[bytes]:
+    """The prefix cache's keys of the first `pages` full pages of a sequence of these tokens: page i's is the
+    sha256 of page i - 1's key and page i's tokens, and with_next also of the token after the page (an EAGLE-3
+    drafter's entry at a page's last position pairs it with that token, so the page's drafter KV is valid only
+    where that token is the same). The caller gives tokens past the last page's end when with_next."""
+    keys, key = [], b""
+    for i in range(pages):
+        end = (i + 1) * page_size
+        chunk = tokens[i * page_size : end + 1 if with_next else end]
+        key = hashlib.sha256(key + b"".join(int(t).to_bytes(4, "little") for t in chunk)).digest()
+        keys.append(key)
+    return keys
 
 
 def device_memory_limit() -> int | None:
@@ -70,30 +93,86 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int, make_arrays: Callable[[], tuple]):
         self.num_pages, self.page_size = num_pages, page_size
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest free id is taken first
+        self._holders: dict[int, int] = {}  # page -> sequences holding it (held pages only)
+        self._key_of: dict[int, bytes] = {}  # cached page -> its key
+        self._page_of: dict[bytes, int] = {}  # key -> its cached page
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unheld; oldest first
         self._make_arrays = make_arrays
         self._arrays: tuple | None = None
         self._holder = threading.Lock()
 
     @property
     def free(self) -> int:
-        """Pages no sequence holds."""
-        return len(self._free)
+        """Pages a sequence can take: none holds them (cached ones that wait included)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached(self) -> int:
+        """Pages the prefix cache keeps (held or waiting)."""
+        return len(self._key_of)
 
     def take(self, count: int) -> list[int]:
-        """`count` free pages for a sequence; more than are free is a scheduler bug."""
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} pages with {len(self._free)} free")
-        taken = [self._free.pop() for _ in range(count)]
+        """`count` pages for a sequence, uncached ones first, then the least recently used cached ones (evicted);
+        more than are free is a scheduler bug."""
+        if count > self.free:
+            raise RuntimeError(f"asked for {count} pages with {self.free} free")
+        taken = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._idle.popitem(last=False)
+                del self._page_of[self._key_of.pop(page)]
+            self._holders[page] = 1
+            taken.append(page)
         return taken
 
     def give_back(self, pages: list[int]) -> None:
-        """A sequence's pages, free again."""
-        self._free.extend(reversed(pages))
+        """A sequence's pages, let go: a page no sequence holds any more waits in the cache if it is cached, else it
+        is free."""
+        for page in pages:
+            self._holders[page] -= 1
+            if self._holders[page] == 0:
+                del self._holders[page]
+                if page in self._key_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached pages of the longest run of these keys from the first, each now held once more by the caller
+        (and most recently used)."""
+        found = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            if page in self._idle:
+                del self._idle[page]
+                self._holders[page] = 1
+            else:
+                self._holders[page] += 1
+            found.append(page)
+        return found
+
+    def keep(self, page: int, key: bytes) -> None:
+        """Caches a held page of full committed KV under its key (a key already cached keeps its first page)."""
+        if key not in self._page_of and page not in self._key_of:
+            self._page_of[key], self._key_of[page] = page, key
+
+    def _forget(self) -> None:
+        """Drops the cache (the device pools were allocated anew: their keys are gone)."""
+        for page in list(self._idle):
+            self._free.append(page)
+        self._idle.clear()
+        self._key_of.clear()
+        self._page_of.clear()
 
     @property
     def arrays(self) -> tuple:
         """The device pools (allocated on first use, and again if a failed operation consumed them)."""
         if self._arrays is None or any(x.is_deleted() for x in _leaves(self._arrays)):
+            self._forget()
             self._arrays = self._make_arrays()
         return self._arrays
 

@@ -59,11 +59,19 @@ class PromptLookup:
         """No page pool of its own."""
         return None
 
-    def prefill(self, dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> dict:
-        """The history: the prompt, then the first token at position prompt length."""
-        B, Tp = tokens.shape
-        history = jnp.zeros((B, spec.max_len), jnp.int32).at[:, :Tp].set(tokens)
-        return dict(history=history.at[jnp.arange(B), prompt_lengths].set(first, mode="drop"))
+    def new_rows(self, batch: int, spec, dtype) -> dict:
+        """Its field of `batch` free slots: an empty history."""
+        return dict(history=jnp.zeros((batch, spec.max_len), jnp.int32))
+
+    keeps_history = True  # a chunk brings each joining row's whole sequence (live_plan.ChunkPlan.history)
+
+    def admit(self, dparams, tparams, spec, state, chunk, successor, features, first, final):
+        """A final segment's row's history: its whole sequence (the chunk's, cached prefix included), then its first
+        token -> (state, no row fields of its own)."""
+        joined = jnp.where(final, chunk.slot, state.history.shape[0])  # a segment that does not end it: dropped
+        history = state.history.at[joined].set(chunk.history, mode="drop")
+        history = history.at[joined, chunk.lengths].set(first, mode="drop")
+        return dataclasses.replace(state, history=history), {}
 
     def propose(self, dparams, tparams, state, keys, spec):
         """(drafts [B, gamma], NO_DRAFT past each row's proposal; no q; no q ids; nothing to carry)."""

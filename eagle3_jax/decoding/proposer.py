@@ -6,9 +6,13 @@ between proposers (the pool, "auto" gamma's held pairs and round costs, the trac
 A proposer is a frozen, hashable object (it is part of `StepSpec`, a static argument of the jitted steps);
 its weights, if any, travel beside the target's as the steps' `dparams`. The round calls, inside its jit:
 
-  prefill(dparams, tparams, spec, state, tokens, prompt_lengths, first, features) -> {DecodeState field: value}
-      its state for freshly prefilled rows (`state`: theirs so far, its page table and page pools included;
-      `features`: the prompt's captured target features, or None);
+  new_rows(batch, spec, dtype) -> {DecodeState field: value}
+      its fields of `batch` free slots;
+  admit(dparams, tparams, spec, state, chunk, successor, features, first, final) -> (state, {field: [P, ...]})
+      its state for a prefill chunk (spec_round.Chunk; successor [C]: each chunk token's next token; features
+      [C, F]: their captured target features, or None; first [P]: each segment's first token; final [P]: the
+      segments that end their prompts): the pool's state with what it writes for the chunk, and the fields of the
+      rows the final segments install;
   propose(dparams, tparams, state, keys, spec) -> (drafts [B, gamma], q or None, q_ids or None, carry)
       up to gamma drafts per row as target ids, NO_DRAFT (-1) past a row's proposal when `partial`; q the
       distribution sampled drafts were drawn from (None: one-hot at the draft) over the token ids q_ids
@@ -19,12 +23,13 @@ its weights, if any, travel beside the target's as the steps' `dparams`. The rou
 
 and declares, as attributes: `capture_layers` (the target layers whose hidden states it reads; () for none),
 `feature_width`, `partial` (it may propose fewer than gamma tokens), `samples_drafts` (proposal="sample" means
-something to it), `token_elements()` (the KV elements one token takes in its page pool) and
-`new_pages(num_pages, page_size, dtype)` (its page pool, addressed by the target's page tables; None for
-none). A proposer that reads features may also define `catch_up(dparams, tparams, state, held, spec) -> (state,
-matched [B, H])`, the rebuild over the pairs "auto"'s plain rounds held back (its `update` is then skipped at
-gamma 0); one that reads none has its `update` run every round and defines `shadow(old, choices, num_emit, spec)
--> [B, 2]`, a plain round's evidence for "auto" (round_output's shadow columns).
+something to it), `keeps_history` (a chunk must bring each joining row's whole sequence: Chunk.history),
+`token_elements()` (the KV elements one token takes in its page pool) and `new_pages(num_pages, page_size, dtype)`
+(its page pool, addressed by the target's page tables; None for none). A proposer that reads features may also define
+`catch_up(dparams, tparams, state, held, spec) -> (state, matched [B, H])`, the rebuild over the pairs "auto"'s plain
+rounds held back (its `update` is then skipped at gamma 0); one that reads none has its `update` run every round and
+defines `shadow(old, choices, num_emit, spec) -> [B, 2]`, a plain round's evidence for "auto" (round_output's shadow
+columns).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ MIN_TEMPERATURE = 1e-5
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """B rows, as host arrays from `Request.build`; `jax.device_put` of it is prefill's input."""
+    """B rows, as host arrays from `Request.build`: the live pool's per-prompt rows (live_plan.request_rows)."""
 
     tokens: np.ndarray  # [B, T] int32: the prompts, right-padded with 0 to their bucket (`bucket_length`)
     lengths: np.ndarray  # [B] int32: the prompts' lengths
@@ -59,8 +59,8 @@ class Request:
         return bucket_length(max((int(self.lengths[r]) for r in rows), default=1), max_len)
 
     def take(self, rows, num_rows: int, max_len: int) -> Request:
-        """These rows, in this order, then 1-token greedy rows up to num_rows (padding a prefill to its
-        bucket), with the prompts cut to their own bucket: a slot pool's admission."""
+        """These rows, in this order, then 1-token greedy rows up to num_rows, with the prompts cut to their own
+        bucket: the host rows a live pool splits a request into and stacks (live_plan)."""
         index = np.zeros((num_rows,), np.int64)
         index[: len(rows)] = rows
         real = np.arange(num_rows) < len(rows)

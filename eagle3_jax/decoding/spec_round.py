@@ -38,14 +38,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.prompt_lookup import PromptLookup
-from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
@@ -129,45 +127,85 @@ def _emit(spec: StepSpec, state: DecodeState, new_tokens, num_new, new_length):
 
     Cuts at the first stop token (included), at max_new_tokens, and at max_len; frozen rows emit 0.
     """
+    return _emitted(spec, state.done, state.stop_ids, state.max_new - state.num_generated, new_tokens, num_new,
+                    new_length)
+
+
+def _emitted(spec: StepSpec, done, stop_ids, budget, new_tokens, num_new, new_length):
+    """_emit over the fields it reads: done, stop_ids [B, P] and the tokens each row may still emit."""
     M = new_tokens.shape[1]
     idx = jnp.arange(M)[None, :]
-    is_stop = jnp.any(new_tokens[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (idx < num_new[:, None])
+    is_stop = jnp.any(new_tokens[:, :, None] == stop_ids[:, None, :], axis=-1) & (idx < num_new[:, None])
     until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, num_new)
-    budget = state.max_new - state.num_generated
-    num_emit = jnp.where(state.done, 0, jnp.minimum(until_stop, budget))
+    num_emit = jnp.where(done, 0, jnp.minimum(until_stop, budget))
     hit_stop = jnp.any(is_stop & (idx < num_emit[:, None]), axis=1)
     # The sequence (prompt + output) is new_length + 1 long: the newest token is not in the cache.
     full = (num_emit >= budget) | (new_length + 1 >= spec.max_len)
-    done = state.done | hit_stop | full
-    return num_emit, done
+    return num_emit, done | hit_stop | full
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Admission:
-    """The rows one prefill admits (its device input): new prompts, and sequences a preemption put back, whose
-    caches are rebuilt from their tokens so far (a recompute) with nothing drawn or emitted."""
+class Chunk:
+    """Prompt tokens a call prefills, beside its rounds (they ride in its first round's target forward) or alone:
+    up to C tokens of up to P sequences, packed. Segment p holds tokens cu[p] .. cu[p + 1] - 1, its sequence's
+    positions start[p] onwards, written into the pages of table[p]. A sequence longer than a chunk goes on in the
+    next call's, after what this one wrote. A final segment ends its sequence's prompt: its row (its settings
+    below) joins the pool at slot[p] when the call ends, with its first token drawn from the segment's last
+    position, or, for a sequence a preemption put back, its resume token (nothing drawn or emitted)."""
 
-    request: Request  # tokens [M, T]: each row's sequence x_0 .. x_{n-1}; lengths n; settings
-    page_table: jax.Array  # [M, W] int32: the pages each row's n tokens go into (-1 past them; a padding row: all)
-    # [M] int32: a recompute's newest token x_n (not in any cache yet), -1 for a new prompt, whose first token
-    # prefill draws
-    resume_token: jax.Array
-    generated: jax.Array  # [M] int32: tokens the row has emitted already (0 for a new prompt)
+    tokens: jax.Array  # [C] int32
+    cu: jax.Array  # [P + 1] int32: segment offsets in tokens (a segment of no sequence: empty)
+    start: jax.Array  # [P] int32
+    table: jax.Array  # [P, W] int32: -1 past each sequence's pages
+    final: jax.Array  # [P] bool
+    slot: jax.Array  # [P] int32: the slot a final segment's row takes (the pool's size: none)
+    # [P] int32: the token after the segment's last: the prompt's next (not final), the resume token x_n of a
+    # recompute (final), or -1 (final: the first token is drawn)
+    next_token: jax.Array
+    generated: jax.Array  # [P] int32: tokens the sequence emitted before (a recompute's), else 0
+    max_new: jax.Array  # [P] int32
+    stop_ids: jax.Array  # [P, width] int32
+    sampling: sampling_lib.SamplingParams  # [P] each sequence's settings (greedy: temperature 0)
+    history: jax.Array | None = None  # [P, max_len] int32: a final segment's whole sequence, for a proposer's history
 
-    @classmethod
-    def unpaged(cls, request: Request, width: int) -> Admission:
-        """The request's rows as new prompts owning no pages (host arrays): a template that fixes a pool's row
-        fields (slots.empty), or rows whose prefill writes nothing."""
-        rows = request.num_rows
-        return cls(request, np.full((rows, width), -1, np.int32), np.full((rows,), -1, np.int32),
-                   np.zeros((rows,), np.int32))
+    @property
+    def layout(self) -> Layout:
+        return Layout.ragged(self.table, self.start, self.cu, self.tokens.shape[0])
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[P] each segment's sequence length once it ran: a final segment's prompt length n."""
+        return self.start + self.cu[1:] - self.cu[:-1]
+
+    @property
+    def last(self) -> jax.Array:
+        """[P] each segment's last token in the chunk (an empty segment: a valid index, unused)."""
+        return jnp.clip(self.cu[1:] - 1, 0, self.tokens.shape[0] - 1)
 
 
 def new_pages(spec: StepSpec, num_pages: int, page_size: int, dtype) -> tuple[KVPages, KVPages | None]:
     """Zeroed page pools for a step of this spec: the target's and its proposer's (None without one of its own)."""
     target = target_lib.new_pages(spec.target, num_pages, page_size, dtype)
     return target, spec.proposer.new_pages(num_pages, page_size, dtype) if spec.proposer is not None else None
+
+
+def new_rows(spec: StepSpec, batch: int, width: int, stop_width: int, dtype) -> DecodeState:
+    """`batch` free slots (done, zeroed) without their page pools (split_pages): a pool's rows, page tables of
+    `width` columns, stop ids of `stop_width`, sampling settings always set (greedy rows at temperature 0)."""
+    zeros = jnp.zeros((batch,), jnp.int32)
+    held = None
+    if spec.held:
+        held = HeldPairs(jnp.zeros((batch, spec.held, spec.proposer.feature_width), dtype),
+                         jnp.zeros((batch, spec.held), jnp.int32))
+    settings = sampling_lib.SamplingParams(jnp.zeros((batch,), jnp.float32), zeros, jnp.ones((batch,), jnp.float32),
+                                           jnp.zeros((batch, 2), jnp.uint32))
+    rows = DecodeState(target_pages=None, draft_pages=None, page_table=jnp.full((batch, width), -1, jnp.int32),
+                       lengths=zeros, draft_lengths=None, last_token=zeros, draft_hidden=None, num_generated=zeros,
+                       max_new=zeros, stop_ids=jnp.full((batch, stop_width), -1, jnp.int32),
+                       done=jnp.ones((batch,), bool), sampling=settings, held=held)
+    own = spec.proposer.new_rows(batch, spec, dtype) if spec.proposer is not None else {}
+    return dataclasses.replace(rows, **own)
 
 
 def split_pages(state: DecodeState) -> tuple[DecodeState, tuple[KVPages, KVPages | None]]:
@@ -179,58 +217,58 @@ def with_pages(rows: DecodeState, pages: tuple[KVPages, KVPages | None]) -> Deco
     return dataclasses.replace(rows, target_pages=pages[0], draft_pages=pages[1])
 
 
-def prefill(tparams, dparams, pages: tuple[KVPages, KVPages | None], admission: Admission, *, spec: StepSpec):
-    """The admission's rows (its arrays on the device; `request.sampling` set when spec.sampling) prefilled into
-    the pools `pages` (target's, drafter's or None) -> (DecodeState of its M rows holding the updated pools, the
-    first tokens packed as a round's output). A new prompt's first token is drawn (emitted); a recompute's is its
-    resume token, and it emits nothing."""
-    request = admission.request
-    tokens, prompt_lengths, sampling = request.tokens, request.lengths, request.sampling
-    B, T = tokens.shape
-    dtype = tparams["embed"].dtype
-    zeros = jnp.zeros((B,), jnp.int32)
-    # Every token is written: a prompt's padding lands past its length (stale), in its last page or nowhere.
-    layout = Layout.uniform(admission.page_table, zeros, T)
-    hidden, target_pages, features = target_lib.forward(tparams, spec.target, tokens, pages[0], layout,
-                                                        spec.capture_layers, spec.kernels, spec.tp)
-    rows = jnp.arange(B)
-    logits = target_lib.logits(tparams, hidden[rows, prompt_lengths - 1])
+def prefill(tparams, dparams, state: DecodeState, chunk: Chunk, *, spec: StepSpec):
+    """A call of the chunk alone (exact engines prefill so, and a pool with no running row): its target forward,
+    then `admit` -> (state, the chunk's output packed [P, width])."""
+    hidden, target_pages, features = target_lib.forward(tparams, spec.target, chunk.tokens[None], state.target_pages,
+                                                        chunk.layout, spec.capture_layers, spec.kernels, spec.tp)
+    state = dataclasses.replace(state, target_pages=target_pages)
+    logits = target_lib.logits(tparams, hidden[0, chunk.last])
+    return admit(tparams, dparams, state, chunk, logits, None if features is None else features[0], spec)
+
+
+def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, spec: StepSpec):
+    """What a chunk's target forward leaves (the logits at each segment's last token [P, V], features [C, F] or
+    None) turned into the proposer's KV for the chunk and, for each final segment, its first token and its row in
+    its slot -> (state, the chunk's output packed [P, width]: a drawn first token emitted, a recompute's not)."""
+    C, P = chunk.tokens.shape[0], chunk.start.shape[0]
+    seg_len = chunk.cu[1:] - chunk.cu[:-1]
+    last = chunk.last
+    n = chunk.lengths
     vocab = _vocab(spec)
     first = vocab.argmax(logits)
     if spec.sampling:
-        s = sampling
+        s = chunk.sampling
         probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
-        drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, prompt_lengths), probs, vocab)
+        drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, n), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
-    resumed = admission.resume_token >= 0
-    first = jnp.where(resumed, admission.resume_token, first)
-    held = None
-    if spec.held:
-        held = HeldPairs(jnp.zeros((B, spec.held, spec.proposer.feature_width), dtype),
-                         jnp.zeros((B, spec.held), jnp.int32))
-    state = DecodeState(
-        target_pages=target_pages,
-        draft_pages=pages[1],
-        page_table=admission.page_table,
-        lengths=prompt_lengths,
-        draft_lengths=None,
-        last_token=first,
-        draft_hidden=None,
-        num_generated=admission.generated,
-        max_new=request.max_new,
-        stop_ids=request.stop_ids,
-        done=prompt_lengths >= spec.max_len,  # no room for even one token
-        sampling=sampling,
-        held=held,
-    )
+    final = chunk.final & (seg_len > 0)
+    resumed = final & (chunk.next_token >= 0)
+    first = jnp.where(resumed, chunk.next_token, first)
+    # Each token's successor, for the proposer's pairs: the next token of its segment, then the one after it.
+    after = jnp.where(final, first, chunk.next_token)
+    successor = jnp.concatenate([chunk.tokens[1:], chunk.tokens[:1]])
+    seq = chunk.layout.seq
+    is_last = jnp.arange(C) == last[jnp.minimum(seq, P - 1)]
+    successor = jnp.where(is_last & (seq < P), after[jnp.minimum(seq, P - 1)], successor)
+    own = {}
     if spec.proposer is not None:
-        own = spec.proposer.prefill(dparams, tparams, spec, state, tokens, prompt_lengths, first, features)
-        state = dataclasses.replace(state, **own)
-    num_emit, done = _emit(spec, state, first[:, None], jnp.ones((B,), jnp.int32), prompt_lengths)
-    num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, state.done, done)
-    state = dataclasses.replace(state, num_generated=state.num_generated + num_emit, done=done)
-    unused = jnp.zeros((B, spec.gamma), jnp.int32)  # same width as a round's output: one unpacking
-    return state, round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused, num_emit, zeros, done)
+        state, own = spec.proposer.admit(dparams, tparams, spec, state, chunk, successor, features, first, final)
+    budget = chunk.max_new - chunk.generated
+    num_emit, done = _emitted(spec, n >= spec.max_len, chunk.stop_ids, budget, first[:, None],
+                              jnp.ones((P,), jnp.int32), n)
+    num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, False, done)
+    joined = {"page_table": chunk.table, "lengths": n, "last_token": first, "num_generated": chunk.generated + num_emit,
+              "max_new": chunk.max_new, "stop_ids": chunk.stop_ids, "done": done, "sampling": chunk.sampling, **own}
+    slots = jnp.where(final, chunk.slot, state.done.shape[0])  # a segment that does not end its prompt: dropped
+    state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
+                                                             getattr(state, name), value)
+                                          for name, value in joined.items()})
+    unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width: one unpacking
+    zeros = jnp.zeros((P,), jnp.int32)
+    packed = round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused,
+                               jnp.where(final, num_emit, 0), zeros, final & done)
+    return state, packed
 
 
 def _accept(drafts, choices, room):
@@ -265,12 +303,13 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     for sampled rows), commit by index, tell the proposer. With gamma 0 and a proposer that reads features, the
     proposer is left as it was: `spec_rounds` holds the round's pair for it and a flushing call brings it up to
     date."""
-    new_state, packed, _ = _round(tparams, dparams, state, spec)
+    new_state, packed, _, _ = _round(tparams, dparams, state, spec)
     return new_state, packed
 
 
-def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
-    """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None)."""
+def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
+    """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None) and,
+    with a chunk riding in its target forward, the chunk's (hidden [C, D], features [C, F] or None) (else None)."""
     n = state.lengths
     B, G, proposer = n.shape[0], spec.gamma, spec.proposer
     draft_q = q_ids = carry = None
@@ -292,12 +331,22 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
         drafts = jnp.zeros((B, 0), jnp.int32)
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
-        layout = Layout.uniform(state.page_table, n, verify_tokens.shape[1], ~state.done)
+        T = verify_tokens.shape[1]
+        layout, tokens = Layout.uniform(state.page_table, n, T, ~state.done), verify_tokens
+        if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
+            layout, tokens = layout.then(chunk.layout), jnp.concatenate([verify_tokens.reshape(-1), chunk.tokens])[None]
         hidden, target_pages, features = target_lib.forward(
-            tparams, spec.target, verify_tokens, state.target_pages, layout, spec.capture_layers, spec.step_kernels,
-            spec.tp
+            tparams, spec.target, tokens, state.target_pages, layout, spec.capture_layers, spec.step_kernels, spec.tp
         )
-        logits = target_lib.logits(tparams, hidden, spec.step_kernels)
+        chunk_out = None
+        if chunk is None:
+            logits = target_lib.logits(tparams, hidden, spec.step_kernels)
+        else:  # one lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read
+            last = hidden[0, B * T + chunk.last]
+            both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
+            chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
+            logits = both[: B * T].reshape(B, T, -1)
+            features = None if features is None else features[0, : B * T].reshape(B, T, -1)
         choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
@@ -320,10 +369,11 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec):
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
     packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow)
-    return new_state, packed, features
+    return new_state, packed, features, chunk_out
 
 
-def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rounds: int):
+def spec_rounds(tparams, dparams, state: DecodeState, chunk: Chunk | None = None, *, spec: StepSpec,
+                num_rounds: int):
     """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 6]
     (round_output.py)).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
@@ -331,18 +381,43 @@ def spec_rounds(tparams, dparams, state: DecodeState, *, spec: StepSpec, num_rou
     Rounds after a row is done leave it unchanged, as a single round does.
     With gamma 0 and a proposer that reads features the rounds are plain steps: their pairs join the held
     ones, and a flushing call (`StepSpec.flush`) then brings the proposer up to date over all of them
-    (`_catch_up`)."""
-    if spec.gamma > 0 or not proposer_lib.holds_pairs(spec.proposer):
-        return jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), state, None, length=num_rounds)
-    if spec.held < num_rounds:
+    (`_catch_up`).
+    With a chunk (a mixed step), its prompt tokens ride in the first round's target forward, and its final
+    segments' rows join the pool when the call ends (`admit`), for the next call's rounds: the packed outputs are
+    then [num_rounds * B + P, width], the rounds' rows and then the chunk's."""
+    rounds, held = num_rounds, spec.gamma == 0 and proposer_lib.holds_pairs(spec.proposer)
+    if held and spec.held < num_rounds:
         raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
                          f"must be at least that, got {spec.held}")
+    first = None
+    if chunk is not None:  # the first round, mixed; the scan runs the others
+        after, first_packed, first_features, chunk_out = _round(tparams, dparams, state, spec, chunk)
+        first, rounds = (after, first_packed, first_features), num_rounds - 1
+    end, packed = _rounds(tparams, dparams, state, first, spec, rounds, held)
+    if chunk is None:
+        return end, packed
+    end, chunk_packed = admit(tparams, dparams, end, chunk, *chunk_out, spec)
+    return end, jnp.concatenate([packed.reshape(-1, packed.shape[-1]), chunk_packed])
+
+
+def _rounds(tparams, dparams, state: DecodeState, first, spec: StepSpec, rounds: int, held: bool):
+    """spec_rounds' rounds from `state`: `first` (None, or the state, packed output and features a mixed round
+    already ran) and then `rounds` more, scanned."""
+    start = state if first is None else first[0]
+    if not held:
+        end, packed = jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), start, None, length=rounds)
+        return end, packed if first is None else jnp.concatenate([first[1][None], packed])
 
     def plain(s, _):
-        new, packed, features = _round(tparams, dparams, s, spec)
+        new, packed, features, _ = _round(tparams, dparams, s, spec)
         return new, (packed, features[:, 0], new.last_token)
 
-    end, (packed, features, tokens) = jax.lax.scan(plain, state, None, length=num_rounds)
+    end, (packed, features, tokens) = jax.lax.scan(plain, start, None, length=rounds)
+    if first is not None:
+        packed = jnp.concatenate([first[1][None], packed])
+        features = jnp.concatenate([first[2][None, :, 0], features])
+        tokens = jnp.concatenate([first[0].last_token[None], tokens])
+    num_rounds = packed.shape[0]
     behind = state.lengths - state.draft_lengths  # [B] pairs held before this call
     rows = jnp.arange(behind.shape[0])[:, None]
     at = behind[:, None] + jnp.arange(num_rounds)[None, :]  # a frozen row's extra pairs land past its count

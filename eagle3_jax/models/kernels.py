@@ -14,7 +14,7 @@ computed alone (decode, T = 1) or among T tokens (verify), at any batch size. Th
 included, take pallas_kernels.skinny_matmul (fixed row tiles and K order), attention takes
 pallas_kernels.invariant_attention over each row's pages gathered (key runs set by the query's own position),
 and the residual add + RMSNorm takes the fused Pallas kernel, which computes each token in programs of its
-own. What stays in XLA is per token (q/k norm, RoPE and the page write: each token's rows alone), elementwise
+own, and so does the fused q/k norm + RoPE + page write. What stays in XLA is elementwise
 (SiLU product, RoPE tables) or exact (the embedding gather, argmax). Few rows only: a skinny matmul unrolls one
 dot per 16 rows.
 Off the GPU the Pallas kernels run in Pallas' interpreter (slow; for tests).
@@ -77,6 +77,6 @@ def interpret() -> bool:
 
 def hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.0, as the H100 and H200):
-    the Mosaic GPU prefill kernel's wgmma exists there only."""
+    the ragged paged attention kernel's wgmma exists there only."""
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"

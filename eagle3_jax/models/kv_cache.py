@@ -8,9 +8,11 @@ page_table[s, j // page_size], slot j % page_size; a table entry of -1 is a page
 would see). The pool is an immutable buffer carried through the jitted steps: a step returns it with the new
 tokens' K/V written, and a sequence is rewound by lowering its length, never by clearing.
 
-`Layout` says where a forward's tokens go: one flat batch of N tokens in S sequences, sequence s owning tokens
-cu_q_lens[s] .. cu_q_lens[s + 1] - 1, each at its own position, each written (or not) at that position of its
-sequence's pages. A batch of B rows of T tokens each (decode, verify, a padded prefill) is `Layout.uniform`.
+`Layout` says where a forward's tokens go: one flat batch of N tokens in S sequences, each token at its own
+position, written (or not) at that position of its sequence's pages, and attended in groups (`Attention`): a group
+is a run of the batch's tokens in sequences of their own, one kernel call. A batch of B rows of T tokens each
+(decode, verify) is `Layout.uniform`; a packed prefill chunk, `Layout.ragged`; a round's rows and a chunk in one
+forward, the first's `then` the second.
 """
 
 from __future__ import annotations
@@ -61,20 +63,39 @@ def table_width(max_len: int, page_size: int, tail: int) -> int:
     return -(-(max_len + tail) // page_size)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("page_table", "kv_lens", "cu_q_lens", "positions",
-                                                                  "seq", "write_positions"),
-                   meta_fields=("max_q_len",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("page_table", "kv_lens", "cu_q_lens"),
+                   meta_fields=("start", "tokens", "max_q_len"))
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """A forward's N tokens in S sequences over paged KV (the module docstring)."""
+class Attention:
+    """The tokens start .. start + tokens - 1 of a forward's batch, attended in one kernel call: S sequences,
+    sequence s owning tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1 of the group (query i of it at position kv_lens[s]
+    - q_len + i)."""
 
     page_table: jax.Array  # [S, W] int32, -1 where the sequence owns no page
     kv_lens: jax.Array  # [S] int32: keys of each sequence once this forward's tokens are in, theirs included
-    cu_q_lens: jax.Array  # [S + 1] int32: sequence s owns tokens cu_q_lens[s] .. cu_q_lens[s + 1] - 1
-    positions: jax.Array  # [N] int32: each token's position (RoPE, causality): kv_len - q_len + its index
+    cu_q_lens: jax.Array  # [S + 1] int32, from 0
+    start: int  # static: the group's first token in the batch
+    tokens: int  # static: the group's tokens (those past cu_q_lens[-1] belong to no sequence)
+    max_q_len: int  # static: at least every sequence's q_len (the kernel's tile plan)
+
+    @property
+    def read_table(self) -> jax.Array:
+        """The page table as attention reads it: unowned entries (-1) at page 0, so every read is in the pool."""
+        return jnp.maximum(self.page_table, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A forward's N tokens over paged KV (the module docstring): where each is written, and the attention groups
+    that cover them (decode and verify rows in one, a prefill chunk in another: the kernel's tiles follow a group's
+    max_q_len)."""
+
+    page_table: jax.Array  # [S, W] int32: every sequence's pages, as `seq` indexes them
+    positions: jax.Array  # [N] int32: each token's position (RoPE)
     seq: jax.Array  # [N] int32: each token's sequence (S: none)
     write_positions: jax.Array  # [N] int32: where each token's K/V are written, -1: not written
-    max_q_len: int  # static: at least every sequence's q_len (the kernel's tile plan)
+    groups: tuple[Attention, ...]
 
     @classmethod
     def uniform(cls, page_table, start, num_tokens: int, write=None) -> Layout:
@@ -84,14 +105,38 @@ class Layout:
         B, T = start.shape[0], num_tokens
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         written = positions if write is None else jnp.where(write[:, None], positions, -1)
-        return cls(page_table, (start + T).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T,
-                   positions.reshape(-1), jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
-                   written.reshape(-1), max_q_len=T)
+        group = Attention(page_table, (start + T).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T, 0,
+                          B * T, T)
+        return cls(page_table, positions.reshape(-1), jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
+                   written.reshape(-1), (group,))
 
-    @property
-    def read_table(self) -> jax.Array:
-        """The page table as attention reads it: unowned entries (-1) at page 0, so every read is in the pool."""
-        return jnp.maximum(self.page_table, 0)
+    @classmethod
+    def ragged(cls, page_table, start, cu_q_lens, num_tokens: int) -> Layout:
+        """S sequences of a packed batch of num_tokens tokens (a prefill chunk): sequence s owns tokens cu_q_lens[s]
+        .. cu_q_lens[s + 1] - 1, at positions start[s] onwards, all written; tokens past cu_q_lens[-1] belong to none
+        (not written)."""
+        S = start.shape[0]
+        token = jnp.arange(num_tokens, dtype=jnp.int32)
+        seq = jnp.searchsorted(cu_q_lens, token, side="right", method="scan_unrolled").astype(jnp.int32) - 1
+        real = token < cu_q_lens[-1]
+        seq = jnp.where(real, jnp.clip(seq, 0, S - 1), S)
+        position = start[jnp.minimum(seq, S - 1)] + token - cu_q_lens[jnp.minimum(seq, S - 1)]
+        position = jnp.where(real, position, -1)
+        kv_lens = start + cu_q_lens[1:] - cu_q_lens[:-1]
+        group = Attention(page_table, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), 0, num_tokens,
+                          num_tokens)
+        return cls(page_table, jnp.maximum(position, 0), seq, position, (group,))
+
+    def then(self, other: Layout) -> Layout:
+        """This batch's tokens, then `other`'s, in one forward: their sequences side by side, each group attended
+        as before."""
+        S, N = self.page_table.shape[0], self.positions.shape[0]
+        moved = tuple(dataclasses.replace(g, start=g.start + N) for g in other.groups)
+        return Layout(jnp.concatenate([self.page_table, other.page_table]),
+                      jnp.concatenate([self.positions, other.positions]),
+                      jnp.concatenate([jnp.where(self.seq < S, self.seq, S + other.page_table.shape[0]),
+                                       other.seq + S]),
+                      jnp.concatenate([self.write_positions, other.write_positions]), self.groups + moved)
 
 
 @jax.tree_util.register_dataclass

@@ -88,26 +88,27 @@ def attention_block(qkv, cos, sin, k_pages, v_pages, layout: Layout, *, num_head
         k_pages, v_pages = write_pages(k_pages, v_pages, layout.page_table, layout.seq, layout.write_positions,
                                        k.reshape(B * T, K, H), v.reshape(B * T, K, H))
     if kernels_lib.exact(kernels):
-        out = _invariant(q, k_pages, v_pages, layout)
-    else:
-        out = attend(q.reshape(B * T, N, H), k_pages, v_pages, layout.read_table, layout.kv_lens, layout.cu_q_lens,
-                     max_q_len=layout.max_q_len, kernels=kernels).reshape(B, T, N, H)
-    return out, k_pages, v_pages
+        (group,) = layout.groups
+        return _invariant(q, k_pages, v_pages, group), k_pages, v_pages
+    flat = q.reshape(B * T, N, H)
+    outs = [attend(flat[g.start : g.start + g.tokens], k_pages, v_pages, g.read_table, g.kv_lens, g.cu_q_lens,
+                   max_q_len=g.max_q_len, kernels=kernels) for g in layout.groups]
+    return jnp.concatenate(outs).reshape(B, T, N, H), k_pages, v_pages
 
 
-def _invariant(q, k_pages, v_pages, layout: Layout):
-    """EXACT's attention of q [B, T, N, H], B rows of T tokens each (a uniform layout): each row's pages gathered
-    into a contiguous cache [B, K, W page_size, H] for pallas_kernels.invariant_attention, whose partition of a
-    query's keys depends on the query's position alone."""
+def _invariant(q, k_pages, v_pages, group):
+    """EXACT's attention of q [B, T, N, H], B rows of T tokens each (a uniform layout's one group): each row's pages
+    gathered into a contiguous cache [B, K, W page_size, H] for pallas_kernels.invariant_attention, whose partition
+    of a query's keys depends on the query's position alone."""
     B, T = q.shape[:2]
     K, _, page_size, H = k_pages.shape
-    table = layout.read_table
+    table = group.read_table
     W = table.shape[1]
 
     def rows(pages):
         return jnp.moveaxis(pages[:, table], 0, 1).reshape(B, K, W * page_size, H)
 
-    start = layout.kv_lens - T
+    start = group.kv_lens - T
     return pallas_kernels.invariant_attention(q, rows(k_pages), rows(v_pages), start, scale=q.shape[-1] ** -0.5,
                                               interpret=kernels_lib.interpret())
 
@@ -133,41 +134,56 @@ def uses_paged_kernel(q, k_pages, v_pages, *, max_q_len: int, kernels: str, on_h
             and pallas_kernels.ragged_paged_unsupported(q, k_pages, v_pages, max_q_len=max_q_len) is None)
 
 
+XLA_BLOCK = 16  # queries per work item of the XLA path: a chunk's queries never share one [queries, keys] block
+
+
 def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale: float, max_q_len: int):
     """Causal GQA attention of a ragged token batch q [T, N, H] over pages -> [T, N, H] in q's dtype.
 
-    Each sequence's pages are gathered into a [K, pages_per_seq * page_size, H] cache and its
-    queries into max_q_len rows (max_q_len bounds every q_len: static, as for the kernel); scores
-    and softmax in float32, probabilities cast to q's dtype.
-    Keys past kv_len are masked and their V zeroed, so any page-table entry or slot past a
-    sequence's keys is harmless. Tokens past cu_q_lens[-1] get zeros.
+    Work items of at most Q = min(max_q_len, XLA_BLOCK) queries of one sequence, as the kernel's tiles: item w
+    gathers its sequence's pages into a [K, pages_per_seq * page_size, H] cache and its queries into Q rows, so the
+    work grows with the tokens and the keys, never with sequences x max_q_len. Scores and softmax in float32,
+    probabilities cast to q's dtype. Keys past kv_len are masked and their V zeroed, so any page-table entry or slot
+    past a sequence's keys is harmless. Tokens past cu_q_lens[-1] get zeros.
     """
     T, N, H = q.shape
     K, _, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G, L, dtype = N // K, pages_per_seq * page_size, q.dtype
-    pages = jnp.clip(page_table, 0, k_pages.shape[1] - 1)
-    k = k_pages[:, pages].reshape(K, S, L, H)  # [K, S, L, H]
-    v = v_pages[:, pages].reshape(K, S, L, H)
+    Q = min(max_q_len, XLA_BLOCK)
+    # Items: sequence s holds ceil(q_len / Q) of them, so at most S + T / Q in all (S when every q_len fits one).
+    items = min(S * -(-max_q_len // Q), S + -(-T // Q))
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    row = jnp.arange(max_q_len, dtype=jnp.int32)[None, :]  # [1, Q]
-    q_rows = jnp.clip(cu_q_lens[:-1, None] + row, 0, T - 1)  # [S, Q]
-    qs = q[q_rows].reshape(S, max_q_len, K, G, H)
-    position = kv_lens[:, None] - q_len[:, None] + row  # [S, Q]
+    blocks = -(-q_len // Q)
+    first_item = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks).astype(jnp.int32)])  # [S + 1]
+    item = jnp.arange(items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(first_item, item, side="right", method="scan_unrolled").astype(jnp.int32) - 1,
+                   0, S - 1)  # [items]
+    block = item - first_item[seq]
+    row = jnp.arange(Q, dtype=jnp.int32)[None, :]
+    local = block[:, None] * Q + row  # [items, Q]: each row's query within its sequence
+    real = (local < q_len[seq][:, None]) & (item < first_item[-1])[:, None]
+    qs = q[jnp.clip(cu_q_lens[seq][:, None] + local, 0, T - 1)].reshape(items, Q, K, G, H)
+    position = kv_lens[seq][:, None] - q_len[seq][:, None] + local  # [items, Q]
+    pages = jnp.clip(page_table[seq], 0, k_pages.shape[1] - 1)  # [items, W]
+    k = k_pages[:, pages].reshape(K, items, L, H)
+    v = v_pages[:, pages].reshape(K, items, L, H)
     key = jnp.arange(L, dtype=jnp.int32)[None, None, :]
-    visible = (key <= position[:, :, None]) & (key < kv_lens[:, None, None])  # [S, Q, L]
-    v = jnp.where((jnp.arange(L)[None, :] < kv_lens[:, None])[None, :, :, None], v, 0)
+    in_use = key < kv_lens[seq][:, None, None]
+    visible = (key <= position[:, :, None]) & in_use & real[:, :, None]  # [items, Q, L]
+    v = jnp.where(in_use[:, 0][None, :, :, None], v, 0)
     qs, k, v = (widen_on_cpu(x) for x in (qs, k, v))
-    scores = jnp.einsum("sqkgh,ksth->skgqt", qs, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("iqkgh,kith->ikgqt", qs, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.isnan(probs), 0.0, probs).astype(dtype).astype(qs.dtype)  # rows with no key: zeros
-    out = jnp.einsum("skgqt,ksth->sqkgh", probs, v, preferred_element_type=jnp.float32).astype(dtype)
-    out = out.reshape(S, max_q_len, N, H)
-    seq, _ = token_positions(cu_q_lens, kv_lens, T)  # S: no sequence
-    real, seq = seq < S, jnp.minimum(seq, S - 1)
-    local = jnp.clip(jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq], 0, max_q_len - 1)
-    return jnp.where(real[:, None, None], out[seq, local], 0).astype(dtype)
+    out = jnp.einsum("ikgqt,kith->iqkgh", probs, v, preferred_element_type=jnp.float32).astype(dtype)
+    out = out.reshape(items * Q, N, H)
+    token_seq, _ = token_positions(cu_q_lens, kv_lens, T)  # S: no sequence
+    is_real, token_seq = token_seq < S, jnp.minimum(token_seq, S - 1)
+    token_local = jnp.arange(T, dtype=jnp.int32) - cu_q_lens[token_seq]
+    at = jnp.clip((first_item[token_seq] + token_local // Q) * Q + token_local % Q, 0, items * Q - 1)
+    return jnp.where(is_real[:, None, None], out[at], 0).astype(dtype)
 
 
 def widen_on_cpu(x: jax.Array) -> jax.Array:

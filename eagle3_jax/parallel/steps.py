@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.checkpoints import sharded
-from eagle3_jax.decoding import slots, spec_round
+from eagle3_jax.decoding import spec_round
 from eagle3_jax.models import weights as weights_lib
 from eagle3_jax.models.kv_cache import KVPages
 from eagle3_jax.parallel import layout
@@ -39,7 +39,6 @@ class Steps:
 
     empty: Callable
     prefill: Callable
-    insert: Callable
     rounds: Callable
     put: Callable  # host pytree -> its arrays on the device(s)
     fetch: Callable  # a step's packed output -> one host array
@@ -67,7 +66,7 @@ def state_specs(spec: spec_round.StepSpec, pages: bool = True) -> spec_round.Dec
     return spec_round.DecodeState(
         target_pages=target_pages, draft_pages=draft_pages, page_table=P(), lengths=P(), draft_lengths=drafted,
         last_token=P(), draft_hidden=drafted, num_generated=P(), max_new=P(), stop_ids=P(), done=P(),
-        sampling=P() if spec.sampling else None, history=looked_up)
+        sampling=P(), history=looked_up)  # a pool's rows always carry their settings (greedy: temperature 0)
 
 
 def _param_specs(spec: spec_round.StepSpec, dparams) -> tuple:
@@ -82,32 +81,30 @@ def _mapped(fn, mesh: Mesh, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mesh"))
-def jit_empty(tparams, dparams, pages, template, *, spec, mesh):
-    fn = functools.partial(slots.empty, spec=spec)
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), page_specs(spec), P()), state_specs(spec, pages=False))(
-        tparams, dparams, pages, template)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",))
+def jit_empty(spec, batch, width, stop_width, dtype, *, mesh):
+    fn = functools.partial(spec_round.new_rows, spec, batch, width, stop_width, dtype)
+    return _mapped(fn, mesh, (), state_specs(spec, pages=False))()
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("pages",))
-def jit_prefill(tparams, dparams, pages, admission, *, spec, mesh):
+def _chunk_specs(chunk):
+    return None if chunk is None else jax.tree.map(lambda _: P(), chunk)  # a chunk is replicated
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("state",))
+def jit_prefill(tparams, dparams, state, chunk, *, spec, mesh):
     fn = functools.partial(spec_round.prefill, spec=spec)
-    out = (state_specs(spec), P())
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), page_specs(spec), P()), out)(tparams, dparams, pages,
-                                                                                          admission)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("rows",))
-def jit_insert(rows, fresh, slot_ids, *, mesh):
-    specs = jax.tree.map(lambda _: P(), rows)  # a pool's rows are replicated
-    return _mapped(slots.insert, mesh, (specs, specs, P()), specs)(rows, fresh, slot_ids)
+    states = state_specs(spec)
+    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states, _chunk_specs(chunk)), (states, P()))(
+        tparams, dparams, state, chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "num_rounds", "mesh"), donate_argnames=("state",))
-def jit_rounds(tparams, dparams, state, *, spec, num_rounds, mesh):
+def jit_rounds(tparams, dparams, state, chunk=None, *, spec, num_rounds, mesh):
     fn = functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=num_rounds)
     states = state_specs(spec)
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states), (states, P()))(tparams, dparams, state)
+    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states, _chunk_specs(chunk)), (states, P()))(
+        tparams, dparams, state, chunk)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",))
@@ -126,7 +123,7 @@ def sharded_steps(mesh: Mesh) -> Steps:
 
     return Steps(
         empty=functools.partial(jit_empty, mesh=mesh), prefill=functools.partial(jit_prefill, mesh=mesh),
-        insert=functools.partial(jit_insert, mesh=mesh), rounds=functools.partial(jit_rounds, mesh=mesh), put=put,
+        rounds=functools.partial(jit_rounds, mesh=mesh), put=put,
         fetch=lambda packed: np.asarray(packed.addressable_shards[0].data),
         new_pages=functools.partial(_new_pages, mesh=mesh))
 
