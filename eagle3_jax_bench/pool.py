@@ -346,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     for gamma in args.gammas:
         for pool in args.pools:
             measure(run, bench, pool, gamma, args.runs)
+    if args.sweep:
+        sweep(run, bench, args.pools[0], args.gammas[0], args.sweep, args.sweep_prompts)
     if args.shared_prefix:
         vocab = target.config.vocab_size
         prompts, budgets = shared_prefix_workload(args.shared_prefix, args.prefix_prompts, tuple(args.prefix_lengths),
                                                   tuple(args.budgets), vocab)
         shared_prefix(run, bench, args.pools[0], args.gammas[0], prompts, budgets)
-    if args.sweep:
-        sweep(run, bench, args.pools[0], args.gammas[0], args.sweep, args.sweep_prompts)
     print(json.dumps(run.results, indent=1, default=str))
     return 0
 
