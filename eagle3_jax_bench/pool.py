@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import resource
 import time
@@ -180,6 +181,9 @@ class Bench:
 
 
 def make_engine(b: Bench, pool: int, gamma, prefill_chunk: int | None = None, prefix_caching: bool = True):
+    """A fresh engine; the caller has dropped its last one, whose pages the collection frees first (an engine's
+    KV is most of the device, so two cannot live at once)."""
+    gc.collect()
     auto = gamma == "auto"
     return eagle3_jax.Engine(b.target, b.drafter if gamma else None, num_draft_tokens="auto" if auto else max(gamma, 1),
                              max_draft_tokens=3 if auto else None, max_len=b.max_len, max_batch=pool,
@@ -245,6 +249,7 @@ def sweep(run: Run, b: Bench, pool: int, gamma, chunks: list[int], count: int) -
         engine = make_engine(b, pool, gamma, prefill_chunk=chunk)
         warm_up(run, engine, label)
         timed_run(run, engine, "sweep", groups, label)
+        del engine
 
 
 def shared_prefix(run: Run, b: Bench, pool: int, gamma, prompts, budgets) -> None:
@@ -256,6 +261,7 @@ def shared_prefix(run: Run, b: Bench, pool: int, gamma, prompts, budgets) -> Non
         engine = make_engine(b, pool, gamma, prefix_caching=caching)
         warm_up(run, engine, label)
         row = timed_run(run, engine, "shared_prefix", [(prompts, budgets)], label)
+        del engine
         run.add("shared_prefix", {**label, "prompt_tokens": row["prompt_tokens"], "cached_tokens": row["cached_tokens"],
                                   "hit_rate": row["cached_tokens"] / row["prompt_tokens"],
                                   "ttft_p50_ms": row["ttft_p50_ms"], "ttft_p99_ms": row["ttft_p99_ms"],

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import pallas_kernels
+from eagle3_jax.decoding import engine as engine_lib
 from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, round_ab, sampling
 from eagle3_jax_bench.core import Run
 
@@ -334,7 +335,7 @@ def test_pool_bench_dry_run(tmp_path):
     assert floor["floor_s"] == max(floor["compute_s"], floor["bytes_s"]) > 0
     assert runs["pool"]["x_floor"] == pytest.approx(runs["pool"]["seconds"] / floor["floor_s"])
     assert results["steady"][0]["tokens_per_s"] > 0
-    assert [r["prefill_chunk"] for r in results["pool"] if r["run"] == "sweep"] == [512, 8]
+    assert [r["prefill_chunk"] for r in results["pool"] if r["run"] == "sweep"] == [engine_lib.PREFILL_CHUNK, 8]
     on, off = results["shared_prefix"]
     assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
     assert on["cached_tokens"] == 2 * 64 and off["cached_tokens"] == 0  # a page of 64 for each after the first chunk

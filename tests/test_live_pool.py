@@ -322,6 +322,42 @@ def test_pages_as_data_allocation_preemption_and_recompute():
     assert scheduler.read("chunk", 1, None, packed(1, [([], 0, 0), ([], 0, 0)]), np.array([1, -1])) == []
 
 
+def test_a_preempted_prompt_counts_its_cache_hit_once():
+    """A prompt that takes two cached pages and is preempted while it prefills comes back as a recompute: its
+    count stays its first admission's (16), and the scheduler's total counts it once."""
+    scheduler = new_scheduler(2, pages=8, chunk=4, prefix_caching=True)
+    scheduler.add(0, row(17, 1))  # computes tokens 1-16: two full pages, cached when it finishes
+    while (step := scheduler.plan(0)).chunk.owners.max() < 0:
+        pass
+    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 1), ([], 0, 0)]), step.chunk.owners)
+    assert scheduler.pages.cached == 2
+    scheduler.add(1, row(3, 60))  # a row that grows until the pages run out
+    step = scheduler.plan(0)
+    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0), ([], 0, 0)]), step.chunk.owners)
+    scheduler.add(2, row(40, 5))  # shares tokens 1-16
+    counts = set()
+    for _ in range(60):
+        step = scheduler.plan(0)
+        if step.rounds is not None:
+            lefts = [scheduler.requests[int(o)].left if o >= 0 else 0 for o in step.owners]
+            rounds = np.stack([packed(1, [([5, 6][: max(n - 2 * k, 0)], 1, int(n - 2 * k <= 2)) for n in lefts])
+                               for k in range(2)])  # each row's 2 rounds of 2 tokens, done at its budget
+            if step.chunk is not None and not step.chunk.alone:
+                chunk_rows = np.stack([packed(1, [([7], 0, 0)] * len(step.chunk.owners))])[0]
+                scheduler.read("rounds", 1, step.owners,
+                               np.concatenate([rounds.reshape(-1, rounds.shape[-1]), chunk_rows]), step.chunk.owners)
+            else:
+                scheduler.read("rounds", 1, step.owners, rounds)
+        if step.chunk is not None and (step.chunk.alone or step.rounds is None):
+            scheduler.read("chunk", 1, None, packed(1, [([7], 0, 0)] * len(step.chunk.owners)), step.chunk.owners)
+        if scheduler.requests[2].slot >= 0:
+            counts.add(scheduler.requests[2].cached_tokens)
+        if scheduler.requests[2].prefilled:
+            break
+    assert scheduler.preemptions >= 1 and scheduler.requests[2].prefilled
+    assert counts == {16} and scheduler.cached_tokens == 16
+
+
 MESH_SCRIPT = """
 import threading
 import eagle3_jax

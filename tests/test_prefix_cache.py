@@ -108,6 +108,58 @@ def test_the_drafters_shifted_entry_at_a_page_boundary(world, monkeypatch):
 real_keys = live_plan.chain_keys
 
 
+def test_auto_gamma_caches_a_finished_rows_drafter_pages_only_once_caught_up(world):
+    """"auto" holds plain rounds' pairs and writes them into the drafter's pages at a flush; a row that finishes
+    inside the flushing call still gets them (its pages are its own until the host reads the call), since the
+    cache then keeps those pages. The chat's next turn, reusing them, drafts and samples as an engine that caches
+    nothing does, at first-turn budgets whose last call flushes (40-48, round costs that make plain rounds win)."""
+    target, drafter = world
+    costs = lambda batch, length: np.array([1.0, 1.02, 1.04, 1.06])  # noqa: E731 (gamma 0 wins: calls hold pairs)
+
+    def second_turns(caching: bool):
+        engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_len=MAX_LEN, page_size=PAGE,
+                                   max_batch=2, round_costs=costs, prefix_caching=caching)
+        out = []
+        for budget in range(40, 49):
+            first = tokens(20 + budget, 13)
+            (turn,) = engine.generate([first], budget)
+            second = first + turn.token_ids + [5, 6, 7]
+            greedy = engine.generate([second], 30, trace=True)[0]
+            sampled = engine.generate([second], 30, temperature=1.0, seed=budget)[0]
+            out.append((greedy.token_ids, drafts_of([greedy]), sampled.token_ids, greedy.cached_tokens))
+        return out
+
+    cached, uncached = second_turns(True), second_turns(False)
+    assert all(c[3] >= 40 for c in cached)  # the first turn's pages served the second
+    assert [c[:3] for c in cached] == [u[:3] for u in uncached]
+
+
+@pytest.mark.parametrize("donated", [False, True])
+def test_a_failed_operation_leaves_no_cached_page_behind(world, donated):
+    """A call that fails, before donating the pools (a compile error: its chunk planned and keyed pages it never
+    wrote) or after (a device error: the pools are gone), drops the cache; the next prompt sharing the prefix
+    computes it again and equals its output alone."""
+    import dataclasses
+
+    target, _ = world
+    prompt = PREFIX + [9, 8, 7]
+    engine = engine_of(target, None, 0, max_batch=1)
+    engine.generate([PREFIX + [1, 2, 3]], 4)  # the prefix's five pages cached
+    real = engine._steps
+
+    def failing(*args, **kwargs):
+        if donated:
+            real.rounds(*args, **kwargs)
+        raise RuntimeError("a simulated failure")
+
+    engine._steps = dataclasses.replace(real, **{"rounds" if donated else "prefill": failing})
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate([PREFIX + tokens(6, 3) if donated else prompt], 8)
+    engine._steps = real
+    (again,) = engine.generate([prompt], 8)
+    assert again.cached_tokens == 0 and again.token_ids == alone(target, [prompt], 8)[0]
+
+
 def test_idle_pages_are_evicted_least_recently_used_before_anything_is_preempted(world):
     """KV of 8 pages, one slot: A's 5 full committed pages wait in the cache after it ends; B takes all 8 (its
     prompt and first call), the 3 never cached first, then A's from the oldest (preempting nothing); A comes back

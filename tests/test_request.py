@@ -14,6 +14,7 @@ from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput, pack, width
+from eagle3_jax.parallel.mesh import tp_mesh
 from eagle3_jax_bench import presets
 
 
@@ -85,6 +86,24 @@ def test_engine_refuses_every_int_argument_that_is_not_an_int(name, bad):
         return  # None is max_len's default
     with pytest.raises(ValueError, match=rf"{name} must be (None or )?an int .*got {re.escape(repr(bad))}"):
         Engine(target, drafter, **{**ENGINE_INTS, name: bad})
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"prefill_chunk": 0}, "prefill_chunk must be a positive int of at most 65536, got 0"),
+    ({"prefill_chunk": True}, "prefill_chunk must be a positive int .*got True"),
+    ({"prefill_chunk": 8.0}, "prefill_chunk must be a positive int .*got 8.0"),
+    ({"prefill_chunk": 10**12}, "prefill_chunk must be a positive int .*got 1000000000000"),
+    ({"prefill_sequences": 0}, "prefill_sequences must be None or a positive int, got 0"),
+    ({"prefill_sequences": 2.0}, "prefill_sequences must be None or a positive int, got 2.0"),
+    ({"prefix_caching": 1}, "prefix_caching must be a bool, got 1"),
+], ids=repr)
+def test_engine_refuses_bad_prefill_arguments_before_placing_anything(argument, message, monkeypatch):
+    from eagle3_jax.parallel import steps as parallel_steps
+
+    target, drafter = engine_parts()
+    monkeypatch.setattr(parallel_steps, "on_mesh", lambda *a: pytest.fail("placed the models before the check"))
+    with pytest.raises(ValueError, match=message):
+        Engine(target, drafter, max_len=64, max_batch=4, mesh=tp_mesh(1), **argument)
 
 
 def test_engine_takes_numpy_integers():

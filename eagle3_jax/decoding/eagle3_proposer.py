@@ -57,9 +57,8 @@ class Eagle3:
         h = drafter_lib.project_features(dparams, self.config, features)
         out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h[None], successor[None],
                                          state.draft_pages, chunk.layout, spec.kernels, spec.tp)
-        last = jnp.clip(chunk.cu[1:] - 1, 0, chunk.tokens.shape[0] - 1)
         return dataclasses.replace(state, draft_pages=pages), dict(draft_lengths=chunk.lengths,
-                                                                   draft_hidden=out[0, last])
+                                                                   draft_hidden=out[0, chunk.last])
 
     def propose(self, dparams, tparams, state, keys, spec):
         """The drafter's chain: (drafts [B, G] target ids, q [B, G, Vd] or None, q's target ids or None, the
@@ -98,14 +97,16 @@ class Eagle3:
             draft_hidden=jnp.where(live[:, None], out[jnp.arange(choices.shape[0]), accepted], old.draft_hidden),
         )
 
-    def catch_up(self, dparams, tparams, state, held, spec):
+    def catch_up(self, dparams, tparams, state, held, live, spec):
         """The rebuild over every held pair (held.features [B, H, C], held.tokens [B, H]) in one pass, and each
         held pair's would-be first draft d_1 matched against its token [B, H] (for the lm_head's price). Entries
-        past a row's count land past its committed pairs, stale; a finished row writes nothing (its pages may
-        be another row's by now)."""
+        past a row's count land past its committed pairs, stale. Rows `live` [B] when the call began write
+        theirs, those that finished inside the call included (their pages stay theirs until the host reads
+        the call, and the prefix cache keeps them); a row done before it writes nothing (its pages may be
+        another row's by now)."""
         count = state.lengths - state.draft_lengths
         h = drafter_lib.project_features(dparams, self.config, held.features)
-        layout = Layout.uniform(state.page_table, state.draft_lengths, held.tokens.shape[1], ~state.done)
+        layout = Layout.uniform(state.page_table, state.draft_lengths, held.tokens.shape[1], live)
         out, pages = drafter_lib.forward(dparams, self.config, _embed(dparams, tparams), h, held.tokens,
                                          state.draft_pages, layout, spec.kernels)
         before = jnp.concatenate([state.draft_hidden[:, None], out[:, :-1]], axis=1)  # where each pair's d_1 is from

@@ -42,7 +42,7 @@ from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, page
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
-from eagle3_jax.decoding.request import Request, is_int
+from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 from eagle3_jax.parallel import steps as parallel_steps
@@ -59,9 +59,9 @@ DEFAULT_EXACT = False
 # want. A slot holds no KV of its own (its sequence's pages do), so slots are cheap.
 MAX_DEFAULT_BATCH = 256
 CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and demos
-# Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries (BENCHMARKS.md, the mixed steps'
-# design decision).
-PREFILL_CHUNK = 512
+# Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries. The H200's best for speculation
+# (BENCHMARKS.md (m): "auto" 1.37x faster than at 1,024 through the 512-prompt pool), 6% below 1,024 spec off.
+PREFILL_CHUNK = 2048
 # Engine(prefill_sequences=None): prompts one chunk holds, one for each PROMPT_TOKENS_PER_SEQUENCE of its tokens
 # (2 to 16). A chunk's arrays and its attention kernel's grid are that wide whatever it holds, so a few prompts of
 # typical length fill it, where one per token would launch mostly empty work.
@@ -166,8 +166,7 @@ class Engine:
         max_len = engine_args.check_sizes(cfg, proposer is not None, gamma, max_len, rounds_per_call)
         engine_args.check_max_batch(max_batch)
         engine_args.check_pages(kv_tokens, page_size, max_len)
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        engine_args.check_prefill(prefill_chunk, prefill_sequences, prefix_caching)
         self.prefix_caching = prefix_caching
         kernels = kernels_lib.check(kernels or kernels_lib.default())
         if proposal not in PROPOSALS:
@@ -188,10 +187,6 @@ class Engine:
         default_batch = CPU_DEFAULT_BATCH if jax.default_backend() == "cpu" else MAX_DEFAULT_BATCH
         self.max_batch = default_batch if max_batch is None else int(max_batch)
         self._rounds_per_call = int(rounds_per_call)
-        if not is_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-        if prefill_sequences is not None and (not is_int(prefill_sequences) or prefill_sequences < 1):
-            raise ValueError(f"prefill_sequences must be None or a positive int, got {prefill_sequences!r}")
         self.prefill_chunk = int(prefill_chunk)
         default = min(16, max(2, prefill_chunk // PROMPT_TOKENS_PER_SEQUENCE))
         self.prefill_sequences = min(self.max_batch, int(prefill_sequences or default), self.prefill_chunk)

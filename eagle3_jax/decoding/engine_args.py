@@ -8,6 +8,7 @@ from eagle3_jax.models import kernels as kernels_lib
 
 DEFAULT_MAX_LEN = 2048  # Engine(max_len=None)'s capacity, where the target's limit allows it
 DEFAULT_MAX_DRAFT_TOKENS = 3  # num_draft_tokens="auto" chooses among gamma 0 .. this by default
+MAX_PREFILL_CHUNK = 1 << 16  # a call's chunk of prompt tokens: its activations and host arrays stay bounded
 MAX_AUTO_DRAFT_TOKENS = 16  # "auto" compiles a step per gamma: more would mostly compile steps never chosen
 
 
@@ -84,3 +85,15 @@ def check_pages(kv_tokens, page_size, max_len: int) -> None:
 def check_max_batch(max_batch) -> None:
     if max_batch is not None and (not is_int(max_batch) or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+
+
+def check_prefill(prefill_chunk, prefill_sequences, prefix_caching) -> None:
+    """prefill_chunk (a positive int of at most MAX_PREFILL_CHUNK), prefill_sequences (None or a positive int)
+    and prefix_caching (a bool)."""
+    if not is_int(prefill_chunk) or not 1 <= prefill_chunk <= MAX_PREFILL_CHUNK:
+        raise ValueError(f"prefill_chunk must be a positive int of at most {MAX_PREFILL_CHUNK}, got "
+                         f"{prefill_chunk!r}")
+    if prefill_sequences is not None and (not is_int(prefill_sequences) or prefill_sequences < 1):
+        raise ValueError(f"prefill_sequences must be None or a positive int, got {prefill_sequences!r}")
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")

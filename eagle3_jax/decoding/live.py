@@ -166,6 +166,8 @@ class LivePool:
             self._loop()
         finally:
             self._scheduler.close()  # every page back to the engine, whatever ended the pool
+            if self.error is not None:
+                self._pages.forget()  # the failed operation may have planned pages it never wrote
             self._pages.release()
 
     def _loop(self) -> None:

@@ -137,7 +137,7 @@ class _Live:
     order: int = -1  # when it was last admitted: the youngest sequence is preempted first
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
-    synced: int = 0  # committed positions whose drafter KV is up to date (the cache keeps no page past them)
+    counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
 
     def known(self) -> np.ndarray:
         """Every token of its sequence the host knows: the prompt, then what it emitted."""
@@ -404,8 +404,8 @@ class LiveScheduler:
             self.owner[slot], live.slot = request_id, slot
             live.order, self._admitted = self._admitted, self._admitted + 1
             live.pages, live.computed = cached + self.pages.take(taken), start
-            if not live.prefilled:
-                live.cached_tokens = start
+            if not live.counted:
+                live.counted, live.cached_tokens = True, start
                 self.cached_tokens += start
             segments.append((live, take))
             budget -= take
@@ -535,8 +535,7 @@ class LiveScheduler:
         live.tokens += new
         live.prefilled = True
         if synced and new:
-            live.synced = live.length - 1
-            self._keep(live, live.known(), live.synced)
+            self._keep(live, live.known(), live.length - 1)
         reason = None
         if done:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"

@@ -160,8 +160,9 @@ class PagePool:
         if key not in self._page_of and page not in self._key_of:
             self._page_of[key], self._key_of[page] = page, key
 
-    def _forget(self) -> None:
-        """Drops the cache (the device pools were allocated anew: their keys are gone)."""
+    def forget(self) -> None:
+        """Drops the cache: after a failed operation (a key may name a page its chunk never wrote) and when the
+        device pools are allocated anew (their keys are gone)."""
         for page in list(self._idle):
             self._free.append(page)
         self._idle.clear()
@@ -171,8 +172,10 @@ class PagePool:
     @property
     def arrays(self) -> tuple:
         """The device pools (allocated on first use, and again if a failed operation consumed them)."""
-        if self._arrays is None or any(x.is_deleted() for x in _leaves(self._arrays)):
-            self._forget()
+        if self._arrays is None:
+            self._arrays = self._make_arrays()
+        elif any(x.is_deleted() for x in _leaves(self._arrays)):
+            self.forget()
             self._arrays = self._make_arrays()
         return self._arrays
 

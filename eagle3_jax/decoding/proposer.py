@@ -26,10 +26,10 @@ and declares, as attributes: `capture_layers` (the target layers whose hidden st
 something to it), `keeps_history` (a chunk must bring each joining row's whole sequence: Chunk.history),
 `token_elements()` (the KV elements one token takes in its page pool) and `new_pages(num_pages, page_size, dtype)`
 (its page pool, addressed by the target's page tables; None for none). A proposer that reads features may also define
-`catch_up(dparams, tparams, state, held, spec) -> (state, matched [B, H])`, the rebuild over the pairs "auto"'s plain
-rounds held back (its `update` is then skipped at gamma 0); one that reads none has its `update` run every round and
-defines `shadow(old, choices, num_emit, spec) -> [B, 2]`, a plain round's evidence for "auto" (round_output's shadow
-columns).
+`catch_up(dparams, tparams, state, held, live, spec) -> (state, matched [B, H])`, the rebuild over the pairs "auto"'s
+plain rounds held back, written for the rows `live` when the call began (its `update` is then skipped at gamma 0);
+one that reads none has its `update` run every round and defines `shadow(old, choices, num_emit, spec) -> [B, 2]`,
+a plain round's evidence for "auto" (round_output's shadow columns).
 """
 
 from __future__ import annotations

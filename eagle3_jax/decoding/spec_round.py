@@ -424,16 +424,16 @@ def _rounds(tparams, dparams, state: DecodeState, first, spec: StepSpec, rounds:
     held = HeldPairs(state.held.features.at[rows, at].set(jnp.swapaxes(features, 0, 1), mode="drop"),
                      state.held.tokens.at[rows, at].set(tokens.T, mode="drop"))
     end = dataclasses.replace(end, held=held)
-    return _catch_up(tparams, dparams, end, packed, spec) if spec.flush else (end, packed)
+    return _catch_up(tparams, dparams, end, packed, ~state.done, spec) if spec.flush else (end, packed)
 
 
-def _catch_up(tparams, dparams, state: DecodeState, packed, spec: StepSpec):
+def _catch_up(tparams, dparams, state: DecodeState, packed, live, spec: StepSpec):
     """The proposer's rebuild over every held pair, in one pass (for EAGLE-3, its weights are read once per flush
     instead of once per round). The same pass gives each held round's would-be first draft d_1; the last round's
     shadow columns count, per row, the held pairs whose token equals it (a sampled row's token equals an argmax
     draft d with probability p(d), the chance the round would have accepted it) and the held pairs."""
     count = state.lengths - state.draft_lengths  # [B] held pairs
-    caught_up, matched = spec.proposer.catch_up(dparams, tparams, state, state.held, spec)
+    caught_up, matched = spec.proposer.catch_up(dparams, tparams, state, state.held, live, spec)
     valid = jnp.arange(spec.held)[None, :] < count[:, None]
     shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)
     return caught_up, packed.at[-1, :, -2:].set(shadow)
