@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import resource
 import time
@@ -181,9 +180,8 @@ class Bench:
 
 
 def make_engine(b: Bench, pool: int, gamma, prefill_chunk: int | None = None, prefix_caching: bool = True):
-    """A fresh engine; the caller has dropped its last one, whose pages the collection frees first (an engine's
-    KV is most of the device, so two cannot live at once)."""
-    gc.collect()
+    """A fresh engine; the caller has dropped its last one first (an engine's KV is most of the device, so two
+    cannot live at once)."""
     auto = gamma == "auto"
     return eagle3_jax.Engine(b.target, b.drafter if gamma else None, num_draft_tokens="auto" if auto else max(gamma, 1),
                              max_draft_tokens=3 if auto else None, max_len=b.max_len, max_batch=pool,

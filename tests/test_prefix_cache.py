@@ -207,3 +207,26 @@ def test_the_page_pool_evicts_the_least_recently_used_idle_page_and_never_a_held
     pool.give_back(pages[:1])  # now the most recently used
     assert pool.take(2) == [3, pages[1]]  # the never-cached page first, then the oldest idle one
     assert pool.lookup(keys[1:2]) == [] and pool.lookup(keys[2:]) == pages[2:] and pool.cached == 2
+
+
+@pytest.mark.parametrize("gamma", [0, 2, "auto"])
+def test_a_dropped_engine_is_freed_at_once_with_its_pages(world, gamma):
+    """An engine holds most of a GPU's memory in its pages, so a dropped one must free them at once (a reference
+    cycle would keep them until the garbage collector runs, and the next Engine's KV would not fit): with the
+    collector off, nothing refers to an engine once its requests are done."""
+    import gc
+    import weakref
+
+    target, drafter = world
+    costs = {"round_costs": lambda batch, length: np.array([1.0, 1.1, 1.2])} if gamma == "auto" else {}
+    engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 1, max_len=MAX_LEN,
+                               max_draft_tokens=2 if gamma == "auto" else None, **costs)
+    engine.generate(SHARED[:2], 6)
+    list(engine.stream(SHARED[2:4], 4))
+    dropped = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert dropped() is None
+    finally:
+        gc.enable()

@@ -353,7 +353,7 @@ def test_each_request_takes_the_filter_its_settings_need(world):
     assert build(temperature=0.7, top_k=[20, 65, 20]).filter == "radix"
     spec = build(temperature=0.6, top_k=20, top_p=0.95)
     params = (target.params, drafter.params)
-    pages = jax.eval_shape(engine._new_pages)
+    pages = jax.eval_shape(engine.page_pool._make_arrays)
     rows = jax.eval_shape(functools.partial(spec_round.new_rows, spec, 3, engine.table_width, 4, jnp.float32))
     state = spec_round.with_pages(rows, pages)
     jaxpr = str(jax.make_jaxpr(functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=2))(*params, state))

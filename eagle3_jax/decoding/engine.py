@@ -32,6 +32,8 @@ num_draft_tokens="auto" is refused (its round costs and held pairs are one devic
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import queue
 from collections.abc import Iterator, Sequence
 
@@ -124,8 +126,8 @@ class Engine:
         round_costs: under "auto", `round_costs(batch, kv_length)` -> seconds of a call of each gamma 0 ..
         max_draft_tokens; None measures them on this device on first use of a batch size and caches them on
         disk (round_costs.py).
-        max_len: the KV capacity of a row, prompt and output (None: min(2048, the target's
-        max_position_embeddings)).
+        max_len: the KV capacity of a row, prompt and output (None: engine_args.DEFAULT_MAX_LEN, 4096, or the
+        target's max_position_embeddings where smaller).
         rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
@@ -234,18 +236,19 @@ class Engine:
                      f" (the default: {page_pool.KV_SHARE:.0%} of the device's memory after the weights)")
         num_pages = max(page_pool.pages_for(kv_tokens, page_size), page_pool.pages_for(self.max_len, page_size))
         need, free = num_pages * page_size * token_bytes, page_pool.free_device_bytes()
+        if need > free:  # an engine dropped inside some reference cycle frees its pages only when collected
+            gc.collect()
+            free = page_pool.free_device_bytes()
         if need > free:
             raise ValueError(f"kv_tokens={kv_tokens}{given} ({need / 2**30:.2f} GiB of KV in pages of {page_size}) "
                              f"does not fit in the device's free memory ({free / 2**30:.2f} GiB): lower kv_tokens")
         self.table_width = kv_cache.table_width(self.max_len, page_size, max(self.num_draft_tokens, spec.held) + 1)
         self.kv_tokens = num_pages * page_size
-        return page_pool.PagePool(num_pages, page_size, self._new_pages)
-
-    def _new_pages(self) -> tuple:
-        """The engine's device page pools, zeroed: the target's and its proposer's (or None); on a mesh each device
-        holds its KV heads (the spec's per-device config)."""
-        pool = self.page_pool
-        return self._steps.new_pages(self._spec, pool.num_pages, pool.page_size, self.target.params["embed"].dtype)
+        # The engine's device page pools, zeroed when first used: the target's and its proposer's (or None); on a
+        # mesh each device holds its KV heads (the spec's per-device config). A partial, not a bound method: the pool
+        # must not hold the engine, or a dropped engine's pages would wait for the garbage collector.
+        new_pages = functools.partial(self._steps.new_pages, spec, num_pages, page_size, dtype)
+        return page_pool.PagePool(num_pages, page_size, new_pages)
 
     @property
     def page_size(self) -> int:

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -60,8 +61,11 @@ class LivePool:
         # carry every row's settings: its calls run every row there, greedy rows on its argmax path.
         self._always_sampling = engine.spec.tp is not None
         if engine.auto:
+            # The policy lives in this pool's scheduler: it reaches the pool weakly, so a closed pool (and the engine
+            # it holds, with its pages) is freed when dropped, not when the garbage collector next runs.
+            me = weakref.ref(self)
             policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length: engine.round_costs(
-                self._scheduler.size, length, self._cost_template()), holds=engine.holds_pairs)
+                me()._scheduler.size, length, me()._cost_template()), holds=engine.holds_pairs)
         else:
             policy = gamma_policy.Fixed(engine.num_draft_tokens)
         self._pages = engine.page_pool
