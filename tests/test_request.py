@@ -68,7 +68,7 @@ def engine_parts(max_positions: int = 1024):
     return Target(target_config, {"embed": embed}, Path()), Drafter(drafter_config, {}, Path())
 
 
-@pytest.mark.parametrize("max_positions, expected", [(1024, 1024), (40960, 2048)])
+@pytest.mark.parametrize("max_positions, expected", [(1024, 1024), (40960, 4096)])
 def test_default_max_len_fits_the_target(max_positions, expected):
     target, drafter = engine_parts(max_positions)
     assert Engine(target, drafter).max_len == Engine(target).max_len == expected
@@ -89,10 +89,9 @@ def test_engine_refuses_every_int_argument_that_is_not_an_int(name, bad):
 
 
 @pytest.mark.parametrize("argument, message", [
-    ({"prefill_chunk": 0}, "prefill_chunk must be a positive int of at most 65536, got 0"),
-    ({"prefill_chunk": True}, "prefill_chunk must be a positive int .*got True"),
-    ({"prefill_chunk": 8.0}, "prefill_chunk must be a positive int .*got 8.0"),
-    ({"prefill_chunk": 10**12}, "prefill_chunk must be a positive int .*got 1000000000000"),
+    ({"prefill_chunk": 0}, "prefill_chunk must be a positive int, got 0"),
+    ({"prefill_chunk": True}, "prefill_chunk must be a positive int, got True"),
+    ({"prefill_chunk": 8.0}, "prefill_chunk must be a positive int, got 8.0"),
     ({"prefill_sequences": 0}, "prefill_sequences must be None or a positive int, got 0"),
     ({"prefill_sequences": 2.0}, "prefill_sequences must be None or a positive int, got 2.0"),
     ({"prefix_caching": 1}, "prefix_caching must be a bool, got 1"),

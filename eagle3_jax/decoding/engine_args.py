@@ -6,9 +6,10 @@ from __future__ import annotations
 from eagle3_jax.decoding.request import is_int
 from eagle3_jax.models import kernels as kernels_lib
 
-DEFAULT_MAX_LEN = 2048  # Engine(max_len=None)'s capacity, where the target's limit allows it
+# Engine(max_len=None)'s capacity, where the target's limit allows it; the CLI and the server take it too. With paged
+# KV it bounds one sequence (its page table's width), not the memory a slot reserves.
+DEFAULT_MAX_LEN = 4096
 DEFAULT_MAX_DRAFT_TOKENS = 3  # num_draft_tokens="auto" chooses among gamma 0 .. this by default
-MAX_PREFILL_CHUNK = 1 << 16  # a call's chunk of prompt tokens: its activations and host arrays stay bounded
 MAX_AUTO_DRAFT_TOKENS = 16  # "auto" compiles a step per gamma: more would mostly compile steps never chosen
 
 
@@ -88,11 +89,9 @@ def check_max_batch(max_batch) -> None:
 
 
 def check_prefill(prefill_chunk, prefill_sequences, prefix_caching) -> None:
-    """prefill_chunk (a positive int of at most MAX_PREFILL_CHUNK), prefill_sequences (None or a positive int)
-    and prefix_caching (a bool)."""
-    if not is_int(prefill_chunk) or not 1 <= prefill_chunk <= MAX_PREFILL_CHUNK:
-        raise ValueError(f"prefill_chunk must be a positive int of at most {MAX_PREFILL_CHUNK}, got "
-                         f"{prefill_chunk!r}")
+    """prefill_chunk (a positive int), prefill_sequences (None or a positive int) and prefix_caching (a bool)."""
+    if not is_int(prefill_chunk) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     if prefill_sequences is not None and (not is_int(prefill_sequences) or prefill_sequences < 1):
         raise ValueError(f"prefill_sequences must be None or a positive int, got {prefill_sequences!r}")
     if not isinstance(prefix_caching, bool):
