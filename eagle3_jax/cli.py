@@ -14,7 +14,10 @@ from pathlib import Path
 from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
+from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
+
+MAX_LEN_HELP = f"a sequence's capacity, prompt + output (default: min({DEFAULT_MAX_LEN}, the model's limit))"
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -146,8 +149,7 @@ def _generate(args) -> int:
     prompt = _prompt_ids(args, tokenizer)
     sampling = _sampling(args)
     settings = sampling["settings"]
-    max_len = args.max_len or min(4096, target.config.max_position_embeddings)
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
                                exact=args.exact, max_draft_tokens=args.max_draft_tokens, mesh=mesh)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     gen.add_argument("--max-draft-tokens", type=int,
                      help="with --num-draft-tokens auto: the largest gamma it may pick (default 3)")
-    gen.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
+    gen.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                      help="the weights' dtype (default: float32 on the CPU, bfloat16 on a GPU)")
@@ -307,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     srv.add_argument("--max-draft-tokens", type=int, help="with --num-draft-tokens auto: the largest gamma (default 3)")
-    srv.add_argument("--max-len", type=int, help="KV capacity: prompt + output (default: min(4096, the model's limit))")
+    srv.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     srv.add_argument("--max-batch", type=int, help="slots of the pool (default: 256 on a GPU, 8 on the CPU)")
     srv.add_argument("--kv-tokens", type=int,
                      help="tokens of paged KV every running request shares (default: 80%% of the GPU's memory after "
@@ -368,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--drafter", help="EAGLE-3 drafter to speed generation up (the output is the same)")
     regen.add_argument("--max-new-tokens", type=int, default=512)
     regen.add_argument("--batch-size", type=int, default=8, help="slots of the engine's pool (continuous batching)")
-    regen.add_argument("--max-len", type=int, default=4096, help="prompt + answer capacity")
+    regen.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     regen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (SpecForge's example: 0.8)")
     regen.add_argument("--top-p", type=float, default=1.0, help="nucleus filter when sampling (1: none)")
     regen.add_argument("--seed", type=int, help="makes a sampled regeneration repeatable")

@@ -86,8 +86,7 @@ def serve(args) -> int:
     target = eagle3_jax.load_target(args.target, dtype=dtype, mesh=mesh)
     proposer = args.proposer  # cli.proposer_from_args: a PromptLookup, a drafter folder, or None
     drafter = eagle3_jax.load_drafter(proposer, target, dtype=dtype) if isinstance(proposer, str) else proposer
-    max_len = args.max_len or min(4096, target.config.max_position_embeddings)
-    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=max_len,
+    engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                max_batch=args.max_batch, max_draft_tokens=args.max_draft_tokens, mesh=mesh,
                                kv_tokens=args.kv_tokens, page_size=args.page_size)
     pool = LivePool(engine)
@@ -100,7 +99,7 @@ def serve(args) -> int:
         # closes its stream then); its loggers still take log_level.
         config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
                                 log_config=None, lifespan="off")
-        print(f"serving {name} on http://{args.host}:{args.port} (max_len {max_len}, {engine.max_batch} slots)",
+        print(f"serving {name} on http://{args.host}:{args.port} (max_len {engine.max_len}, {engine.max_batch} slots)",
               file=sys.stderr, flush=True)
         DrainingServer(config, state, args.drain_s).run()
     finally:

@@ -105,7 +105,7 @@ WINDOW_SLOTS = 16
 
 
 def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
-               max_new_tokens: int = 512, batch_size: int = 8, max_len: int = 4096, drafter=None,
+               max_new_tokens: int = 512, batch_size: int = 8, max_len: int | None = None, drafter=None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                progress: bool = True) -> RegenerateStats:
     """Rewrites the assistant turns of the JSON-lines file data_in into out (see the module docstring),
@@ -129,7 +129,8 @@ def regenerate(target: Target, data_in: str | os.PathLike, out: str | os.PathLik
         render_chat(tokenizer, list(conversation.messages), conversation.source)
     done = _done_lines(out)
     engine = Engine(target, drafter, num_draft_tokens=3 if drafter is not None else 0,
-                    max_len=min(max_len, target.config.max_position_embeddings), max_batch=batch_size)
+                    max_len=None if max_len is None else min(max_len, target.config.max_position_embeddings),
+                    max_batch=batch_size)
     stops = eos_stop_ids(tokenizer)
     bar = None
     if progress:
