@@ -51,7 +51,7 @@ with ``torch.compile``; eager runs the same Python code without an inductor buil
 Requirements: torch (CPU), transformers 5.x, safetensors, ``pip install --no-deps
 specforge==0.2.0``; optionally ``pip install --no-deps speculators==0.9.0`` (its package
 ``__init__`` imports ``openai``, ``datasets`` and ``hs_connectors`` for training-data code
-only; :func:`_import_speculators` puts empty stand-ins in ``sys.modules`` for those three
+only; :func:`import_speculators` puts empty stand-ins in ``sys.modules`` for those three
 while importing when they are absent, and removes them afterwards).
 """
 
@@ -87,7 +87,7 @@ __all__ = [
     "oracle_supports",
     "reference_forward",
     "reference_chain",
-    "speculators_available",
+    "unsupported_reason",
 ]
 
 ORACLES = ("specforge", "specforge_peagle", "speculators")
@@ -464,7 +464,12 @@ def _unsupported(spec: DraftSpec, oracle: str) -> list[str]:
 
 
 def oracle_supports(spec: DraftSpec, oracle: str) -> bool:
-    return not _unsupported(spec, oracle) and (oracle != "speculators" or speculators_available())
+    return not _unsupported(spec, oracle)
+
+
+def unsupported_reason(spec: DraftSpec, oracle: str) -> str:
+    """Why a test skips an oracle for spec: the features of spec that the oracle's drafter has no form for."""
+    return f"{oracle}'s drafter has no {', '.join(_unsupported(spec, oracle))}"
 
 
 def _pick(spec: DraftSpec, oracle: str) -> str:
@@ -483,7 +488,7 @@ _STUBBED = ("openai", "datasets", "hs_connectors")
 _speculators_cache: dict = {}
 
 
-def _import_speculators():
+def import_speculators():
     """Import ``speculators.models.eagle3`` on CPU without its training-only dependencies."""
     if "mod" in _speculators_cache:
         return _speculators_cache["mod"]
@@ -515,15 +520,8 @@ def _import_speculators():
     return mod
 
 
-def speculators_available() -> bool:
-    try:
-        _import_speculators()
-        return True
-    except Exception:  # noqa: BLE001 - any import problem means "not available"
-        return False
 
-
-def _import_specforge():
+def import_specforge():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flash_attn is not found" at import
         from specforge.modeling.draft import llama3_eagle, peagle
@@ -593,7 +591,7 @@ class _SpecForgeOracle(_SpecForgeModelOracle):
 
     def __init__(self, spec, state, embed):
         super().__init__(spec, state, embed)
-        le, _ = _import_specforge()
+        le, _ = import_specforge()
         from transformers import LlamaConfig
 
         self.le = le
@@ -615,7 +613,7 @@ class _PEagleOracle(_SpecForgeModelOracle):
 
     def __init__(self, spec, state, embed):
         super().__init__(spec, state, embed)
-        _, pe = _import_specforge()
+        _, pe = import_specforge()
         from transformers import LlamaConfig
 
         cfg = LlamaConfig.from_dict({**specforge_config_dict(spec), "architectures": ["PEagleDraftModel"],
@@ -643,7 +641,7 @@ class _SpeculatorsOracle(_Oracle):
 
     def __init__(self, spec, state, embed):
         super().__init__(spec, state, embed)
-        mod = _import_speculators()
+        mod = import_speculators()
         cfg = mod.Eagle3SpeculatorConfig.from_dict(speculators_config_dict(spec))
         cfg.transformer_layer_config._attn_implementation = "eager"
         with warnings.catch_warnings():

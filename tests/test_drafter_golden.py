@@ -54,7 +54,7 @@ def case(request, tmp_path):
     name, spec, writer = request.param
     needs = "speculators" if writer is oracle.write_speculators or spec.qk_norm else "auto"
     if needs == "speculators" and not oracle.oracle_supports(spec, "speculators"):
-        pytest.skip("speculators oracle not importable")
+        pytest.skip(oracle.unsupported_reason(spec, "speculators"))
     state = oracle.random_drafter_state(spec, seed=3)
     target_embed = torch.randn(VT, HT, generator=torch.Generator().manual_seed(4)) * 0.5
     own_embed = None
