@@ -382,6 +382,7 @@ for i, p in enumerate(prompts):
 assert all(d.wait(300) for d in done)
 pool.close()
 assert tokens == [alone.generate([p], 20 + i)[0].token_ids for i, p in enumerate(prompts)], tokens
+assert pool.engine.time_call(4, 16, 2) > 0  # the sharded steps' call, timed on the engine's own sharded pages
 print("mesh ok")
 """
 

@@ -447,15 +447,16 @@ class Engine:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
-        params, pages = (self.target.params, self._draft_params), self.page_pool
-        rows = jit_empty(self.spec, batch, self.table_width, int(template.stop_ids.shape[1]),
-                         self.target.params["embed"].dtype)
+        params, pages, steps = (self.target.params, self._draft_params), self.page_pool, self._steps
+        rows = steps.empty(self.spec, batch, self.table_width, int(template.stop_ids.shape[1]),
+                           self.target.params["embed"].dtype)
         table = round_costs.timing_table(batch, pages.num_pages, self.table_width)
-        state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), jax.device_put(table), length,
+        state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), steps.put(table), length,
                                         self.target.config.vocab_size, self.max_len)
         seconds, state = round_costs.time_calls(
-            # The chunk given as the pool gives it (None, by position): jit keys its cache on how arguments are passed.
-            lambda s: jit_rounds(*params, s, None, spec=spec, num_rounds=self.rounds_per_call), state)
+            # The engine's own steps (sharded on a mesh), the chunk given as the pool gives it (None, by position):
+            # jit keys its cache on how arguments are passed.
+            lambda s: steps.rounds(*params, s, None, spec=spec, num_rounds=self.rounds_per_call), state)
         _, pages.arrays = spec_round.split_pages(state)
         return seconds
 
