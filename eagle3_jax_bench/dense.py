@@ -23,8 +23,7 @@ from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
-from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config
 
 from . import checks, presets, profile, steps
 from .core import Run, compile_timed, time_chain

@@ -35,8 +35,7 @@ from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import qwen3 as target_lib
-from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config
 
 from .inputs import random_tree
 

@@ -7,8 +7,7 @@ layers. Real shapes from the models' Hugging Face config.json; the drafters' as 
 
 from __future__ import annotations
 
-from eagle3_jax.models.config import MoeConfig, Qwen3Config, RopeConfig
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig, MoeConfig, Qwen3Config, RopeConfig
 
 
 def dense_pair(*, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

@@ -1,5 +1,5 @@
 """What tensor parallelism's code path costs on one device: the engine's call of rounds through the sharded
-steps (a shard_map over a mesh of one device, eagle3_jax/parallel/steps.py) against the unsharded engine's
+steps (a shard_map over a mesh of one device, eagle3_jax/decoding/parallel_steps.py) against the unsharded engine's
 own jitted call, at a preset's shapes with random weights (no downloads).
 
     python -m eagle3_jax_bench.tensor_parallel --out DIR [--model qwen3-8b] [--batches 1 8] [--gammas 0 3]
@@ -24,12 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding import parallel_steps, spec_round
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import weights
 from eagle3_jax.parallel import layout
-from eagle3_jax.parallel import steps as parallel_steps
 from eagle3_jax.parallel.mesh import tp_mesh
 
 from . import presets, tp_floor

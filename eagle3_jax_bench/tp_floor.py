@@ -22,11 +22,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eagle3_jax.decoding import spec_round
+from eagle3_jax.decoding import parallel_steps, spec_round
 from eagle3_jax.models import weights
+from eagle3_jax.models.collectives import TP_AXIS
 from eagle3_jax.parallel import layout
-from eagle3_jax.parallel import steps as parallel_steps
-from eagle3_jax.parallel.collectives import TP_AXIS
 
 from .core import compile_timed, time_chain, time_pure
 from .inputs import random_state

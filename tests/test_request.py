@@ -97,7 +97,7 @@ def test_engine_refuses_every_int_argument_that_is_not_an_int(name, bad):
     ({"prefix_caching": 1}, "prefix_caching must be a bool, got 1"),
 ], ids=repr)
 def test_engine_refuses_bad_prefill_arguments_before_placing_anything(argument, message, monkeypatch):
-    from eagle3_jax.parallel import steps as parallel_steps
+    from eagle3_jax.decoding import parallel_steps
 
     target, drafter = engine_parts()
     monkeypatch.setattr(parallel_steps, "on_mesh", lambda *a: pytest.fail("placed the models before the check"))

@@ -124,7 +124,7 @@ def test_an_orbax_folder_or_exact_kernels_on_a_mesh_are_refused(tmp_path):
 def test_the_candidate_filter_is_refused_on_a_split_vocabulary():
     """Its lax.top_k is per device: a vocabulary split over a mesh takes the radix search."""
     from eagle3_jax.decoding import sampling
-    from eagle3_jax.parallel.collectives import Shards, Vocab
+    from eagle3_jax.models.collectives import Shards, Vocab
 
     x, row = np.zeros((1, 8), np.float32), np.ones((1,), np.float32)
     with pytest.raises(ValueError, match="filter 'candidates' is per device: a vocabulary split over a mesh"):

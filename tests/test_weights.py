@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3_jax.checkpoints import hf_layout
 from eagle3_jax.models import eagle3, qwen3, weights
-from eagle3_jax.models.config import Qwen3Config
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config
 
 import drafter_oracle as oracle
 from test_drafter_golden import BASE, HT, LAYERS, VT
@@ -52,10 +52,10 @@ def test_drafter_tensors_are_specforge_and_speculators_names():
     assert described == {k: s for k, s in speculators.items() if k != "t2d"}
 
 
-def _drafter_config(spec) -> eagle3.DrafterConfig:
+def _drafter_config(spec) -> DrafterConfig:
     from eagle3_jax.models.config import RopeConfig
 
-    return eagle3.DrafterConfig(
+    return DrafterConfig(
         hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps,
         rope=RopeConfig(theta=spec.rope_theta, head_dim=spec.head_dim), draft_vocab_size=spec.draft_vocab_size,

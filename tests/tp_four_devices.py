@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 import eagle3_jax
 from eagle3_jax.checkpoints import sharded
 from eagle3_jax.models import qwen3, weights
+from eagle3_jax.models.collectives import Shards
 from eagle3_jax.parallel import layout
-from eagle3_jax.parallel.collectives import Shards
 from eagle3_jax.parallel.mesh import tp_mesh
 
 import drafter_oracle as oracle
@@ -315,7 +315,7 @@ def test_filters_and_draws_across_shards_are_the_unsharded_ones():
     over those rows (2 rows of 3 drafts) the same accepted drafts and tokens, for argmax drafts and for
     drafts sampled from a q over 32 of the ids (the engine's sampled proposals)."""
     from eagle3_jax.decoding import sampling
-    from eagle3_jax.parallel.collectives import Vocab
+    from eagle3_jax.models.collectives import Vocab
 
     rows, V = 8, 1024
     logits = np.round(np.random.default_rng(0).normal(0, 2, (rows, V)), 0).astype(np.float32)
@@ -366,7 +366,7 @@ def test_no_step_moves_a_row_of_logits(tmp_path):
     48): no collective carries a vocabulary axis, whole or sliced; each reduction over it moves a few numbers per
     row, the rest are the [B, T, D] all-reduces."""
     from eagle3_jax.decoding import live, live_plan, spec_round
-    from eagle3_jax.parallel import steps
+    from eagle3_jax.decoding import parallel_steps as steps
 
     model = build_model("gqa4_sharded", seed=1, num_layers=2, vocab=80, hidden=48)
     folder = save_model(model, tmp_path, "gqa4_sharded")

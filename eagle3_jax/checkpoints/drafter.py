@@ -30,9 +30,8 @@ from eagle3_jax.checkpoints.common import check_dtype, read_json, refuse_unused
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models import weights as weights_lib
-from eagle3_jax.models.config import Qwen3Config, RopeConfig, parse_rope, refuse_unsupported_layer
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config, RopeConfig, parse_rope, refuse_unsupported_layer
 from eagle3_jax.models.config_fields import Fields
-from eagle3_jax.models.eagle3 import DrafterConfig
 
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from eagle3_jax.checkpoints import hf_layout
 from eagle3_jax.models import weights as weights_lib
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig
 
 
 def specforge_config(cfg: DrafterConfig, max_position_embeddings: int, dtype: str) -> dict:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.models import eagle3 as drafter_lib
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig
 from eagle3_jax.models.kv_cache import Layout
 
 

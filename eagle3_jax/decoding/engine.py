@@ -24,7 +24,7 @@ is the same pytree for all, so the pool's donated state flows from one to anothe
 never recompiles), and each call of rounds runs the gamma gamma_policy.py picks from the acceptance seen so
 far in the request and round_costs.py's measured cost of each gamma at the pool's batch size and KV length.
 
-With a tensor-parallel mesh (`Engine(mesh=...)`) the same steps run as shard_maps over it (parallel/steps.py);
+With a tensor-parallel mesh (`Engine(mesh=...)`) the same steps run as shard_maps over it (decoding/parallel_steps.py);
 a sampling build there always runs the radix search (the candidate filter is per device), and
 num_draft_tokens="auto" is refused (its round costs and held pairs are one device's).
 """
@@ -40,14 +40,22 @@ from collections.abc import Iterator, Sequence
 import jax
 
 from eagle3_jax.checkpoints.target import Target
-from eagle3_jax.decoding import engine_args, gamma_policy, live, live_plan, page_pool, round_costs, spec_round
+from eagle3_jax.decoding import (
+    engine_args,
+    gamma_policy,
+    live,
+    live_plan,
+    page_pool,
+    parallel_steps,
+    round_costs,
+    spec_round,
+)
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
-from eagle3_jax.parallel import steps as parallel_steps
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
 PROPOSALS = ("argmax", "sample")

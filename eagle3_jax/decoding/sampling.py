@@ -24,7 +24,7 @@ their place in `torch.sort`'s output, which is not stable. Here the tied tokens 
 stable sort would (higher ids last, so kept first). The kept probability mass is transformers' exactly;
 which of the equal-logit tokens carry it is defined by their ids rather than by torch's sorting internals.
 
-Tensor parallelism. Every reduction over the vocabulary goes through a `Vocab` (parallel/collectives.py):
+Tensor parallelism. Every reduction over the vocabulary goes through a `Vocab` (models/collectives.py):
 the whole row on one device (`FULL`, plain jnp), or each device's slice of the vocabulary with the counts,
 sums, maxima and argmaxima combined across devices. A sharded row is always filtered by the radix search
 (the candidate filter's top-k is per device): its counts and sums are then over the whole vocabulary, so the
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.decoding import candidate_filter
-from eagle3_jax.parallel.collectives import FULL, Vocab
+from eagle3_jax.models.collectives import FULL, Vocab
 
 _DIGIT_BITS = 4  # bits of the threshold settled per radix pass: 16 candidates weighed in one pass
 _ACCEPT, _FINAL, _DRAFT = 0, 1, 2  # what a row's round key is folded with for each of its draws

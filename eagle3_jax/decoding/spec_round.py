@@ -27,7 +27,7 @@ settings travel in `DecodeState.sampling`, rows with temperature 0 still take th
 tokens as the greedy build), and the others sample losslessly (decoding/sampling.py).
 
 Under tensor parallelism (`StepSpec.tp`) these functions run on each device inside a shard_map
-(parallel/steps.py), `StepSpec.target` being the per-device config: the target's logits are the device's
+(decoding/parallel_steps.py), `StepSpec.target` being the per-device config: the target's logits are the device's
 slice of the vocabulary, and every choice over them (argmax, filters, draws) goes through `_vocab(spec)`,
 which combines the slices; the drafter and everything else is replicated, computed alike on every device.
 """
@@ -46,9 +46,9 @@ from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.prompt_lookup import PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.collectives import Shards, Vocab
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.kv_cache import KVPages, Layout
-from eagle3_jax.parallel.collectives import Shards, Vocab
 
 
 @jax.tree_util.register_dataclass

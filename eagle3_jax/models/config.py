@@ -222,3 +222,27 @@ def _parse_moe(fields: Fields) -> MoeConfig:
                      moe_intermediate_size=fields.int("moe_intermediate_size", minimum=1),
                      norm_topk_prob=fields.bool("norm_topk_prob", False), decoder_sparse_step=step,
                      mlp_only_layers=mlp_only)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+    capture_layers: tuple[int, ...]  # residual stream ENTERING these target layers, low to high
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators flag)
+    qk_norm: bool = False  # Qwen3-style layer: RMSNorm on q and k per head before RoPE
+    fc_norm: bool = False  # RMSNorm each captured feature chunk before fc
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
+    norm_output: bool = False  # speculators: carry norm(h), not h, to the next draft step
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.capture_layers) * self.target_hidden_size

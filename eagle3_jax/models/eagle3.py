@@ -8,42 +8,15 @@ which is split over the vocabulary as the target's is (its lookup summed across 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models import weights
-from eagle3_jax.models.config import RopeConfig
+from eagle3_jax.models import collectives, weights
+from eagle3_jax.models.collectives import Shards
+from eagle3_jax.models.config import DrafterConfig
 from eagle3_jax.models.kv_cache import KVPages, Layout, RowCache
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
 from eagle3_jax.models.paged_attention import attention_block
-from eagle3_jax.parallel import collectives
-from eagle3_jax.parallel.collectives import Shards
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    draft_vocab_size: int
-    target_vocab_size: int
-    target_hidden_size: int
-    capture_layers: tuple[int, ...]  # residual stream ENTERING these target layers, low to high
-    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators flag)
-    qk_norm: bool = False  # Qwen3-style layer: RMSNorm on q and k per head before RoPE
-    fc_norm: bool = False  # RMSNorm each captured feature chunk before fc
-    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
-    norm_output: bool = False  # speculators: carry norm(h), not h, to the next draft step
-
-    @property
-    def feature_width(self) -> int:
-        return len(self.capture_layers) * self.target_hidden_size
 
 
 def abstract_params(cfg: DrafterConfig, dtype, with_embed: bool = False) -> dict:

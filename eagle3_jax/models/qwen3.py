@@ -16,14 +16,13 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from eagle3_jax.models import collectives, kv_cache, moe, weights
 from eagle3_jax.models import kernels as kernels_lib
-from eagle3_jax.models import kv_cache, moe, weights
+from eagle3_jax.models.collectives import Shards
 from eagle3_jax.models.config import Qwen3Config
 from eagle3_jax.models.kv_cache import KVPages, Layout
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rope_tables
 from eagle3_jax.models.paged_attention import attention_block
-from eagle3_jax.parallel import collectives
-from eagle3_jax.parallel.collectives import Shards
 
 Params = dict
 

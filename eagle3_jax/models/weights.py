@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from eagle3_jax.models.config import Qwen3Config
-
-if TYPE_CHECKING:
-    from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config
 
 TreePath = tuple  # a pytree path: dict keys (str) and tuple indices (int)
 

@@ -24,8 +24,8 @@ import dataclasses
 from jax.sharding import PartitionSpec
 
 from eagle3_jax.models import weights as weights_lib
+from eagle3_jax.models.collectives import TP_AXIS
 from eagle3_jax.models.config import Qwen3Config
-from eagle3_jax.parallel.collectives import TP_AXIS
 
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) blocks of one axis, concatenated in order
 

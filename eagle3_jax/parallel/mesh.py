@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle3_jax.parallel.collectives import TP_AXIS
+from eagle3_jax.models.collectives import TP_AXIS
 
 
 def tp_mesh(tp: int, devices=None) -> Mesh:

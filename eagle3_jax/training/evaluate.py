@@ -10,7 +10,7 @@ import numpy as np
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding.engine import Engine
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig
 from eagle3_jax.training.data import Sample, prompt_length
 
 

@@ -15,8 +15,7 @@ import optax
 
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import qwen3
-from eagle3_jax.models.config import Qwen3Config, RopeConfig
-from eagle3_jax.models.eagle3 import DrafterConfig
+from eagle3_jax.models.config import DrafterConfig, Qwen3Config, RopeConfig
 from eagle3_jax.training import optim, ttt
 
 _NORMS = ("hidden_norm", "embed_norm", "mlp_norm", "final_norm")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.models.eagle3 import DrafterConfig, draft_logits, layer, project_features
+from eagle3_jax.models.config import DrafterConfig
+from eagle3_jax.models.eagle3 import draft_logits, layer, project_features
 from eagle3_jax.models.layers import apply_rope
 
 

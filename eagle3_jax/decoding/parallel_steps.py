@@ -10,7 +10,7 @@ partitioning: the fused q/k/v and gate/up rows need a per-device row order that 
 fused axis gives (parallel/layout.py), the Pallas kernels are custom calls that the partitioner cannot split
 but that run per device inside a map, and the collectives are then exactly the ones written here: one
 all-reduce after each row-parallel matmul, one after the embedding lookup, and a few numbers per row for
-each reduction over the vocabulary (parallel/collectives.py).
+each reduction over the vocabulary (models/collectives.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 from eagle3_jax.checkpoints import sharded
 from eagle3_jax.decoding import spec_round
 from eagle3_jax.models import weights as weights_lib
+from eagle3_jax.models.collectives import TP_AXIS, Shards
 from eagle3_jax.models.kv_cache import KVPages
 from eagle3_jax.parallel import layout
-from eagle3_jax.parallel.collectives import TP_AXIS, Shards
 from eagle3_jax.parallel.mesh import mesh_size
 
 
