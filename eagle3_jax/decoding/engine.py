@@ -70,7 +70,7 @@ DEFAULT_EXACT = False
 MAX_DEFAULT_BATCH = 256
 CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and demos
 # Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries. The H200's best for speculation
-# (BENCHMARKS.md (m): "auto" 1.37x faster than at 1,024 through the 512-prompt pool), 6% below 1,024 spec off.
+# (BENCHMARKS.md (m): "auto" 1.33x its rate at 1,024 through the 512-prompt pool), 6% below 1,024 spec off.
 PREFILL_CHUNK = 2048
 # Engine(prefill_sequences=None): prompts one chunk holds, one for each PROMPT_TOKENS_PER_SEQUENCE of its tokens
 # (2 to 16). A chunk's arrays and its attention kernel's grid are that wide whatever it holds, so a few prompts of
