@@ -49,7 +49,7 @@ Everything runs under ``torch.compiler.set_stance("force_eager")``: SpecForge de
 with ``torch.compile``; eager runs the same Python code without an inductor build.
 
 Requirements: torch (CPU), transformers 5.x, safetensors, ``pip install --no-deps
-specforge==0.2.0``; optionally ``pip install --no-deps speculators==0.9.0`` (its package
+specforge==0.2.0`` and ``pip install --no-deps speculators==0.9.0`` (both required; its package
 ``__init__`` imports ``openai``, ``datasets`` and ``hs_connectors`` for training-data code
 only; :func:`import_speculators` puts empty stand-ins in ``sys.modules`` for those three
 while importing when they are absent, and removes them afterwards).
@@ -520,7 +520,6 @@ def import_speculators():
     return mod
 
 
-
 def import_specforge():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flash_attn is not found" at import
@@ -607,7 +606,6 @@ class _SpecForgeOracle(_SpecForgeModelOracle):
                                    attention_mask=None, position_ids=positions)
 
 
-
 class _PEagleOracle(_SpecForgeModelOracle):
     name = "specforge_peagle"
 
@@ -633,7 +631,6 @@ class _PEagleOracle(_SpecForgeModelOracle):
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
             return self.m.backbone(input_embeds=emb, hidden_states=h, attention_mask=mask,
                                    position_ids=positions)
-
 
 
 class _SpeculatorsOracle(_Oracle):

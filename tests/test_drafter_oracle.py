@@ -22,7 +22,9 @@ import drafter_oracle as O  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flash_attn is not found")
 
-O.import_specforge(), O.import_speculators()  # the oracles import, or the module fails
+# The oracles import, or the module fails.
+O.import_specforge()
+O.import_speculators()
 
 BASE = O.DraftSpec(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
                    target_hidden_size=64, target_vocab_size=120, draft_vocab_size=48, rope_theta=10000.0)

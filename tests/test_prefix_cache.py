@@ -219,13 +219,14 @@ def test_a_dropped_engine_is_freed_at_once_with_its_pages(world, gamma):
 
     target, drafter = world
     costs = {"round_costs": lambda batch, length: np.array([1.0, 1.1, 1.2])} if gamma == "auto" else {}
-    engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 1, max_len=MAX_LEN,
-                               max_draft_tokens=2 if gamma == "auto" else None, **costs)
-    engine.generate(SHARED[:2], 6)
-    list(engine.stream(SHARED[2:4], 4))
-    dropped = weakref.ref(engine)
-    gc.disable()
+    gc.collect()
+    gc.disable()  # from the engine's construction on: no collection may free a cycle the test must catch
     try:
+        engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 1, max_len=MAX_LEN,
+                                   max_draft_tokens=2 if gamma == "auto" else None, **costs)
+        engine.generate(SHARED[:2], 6)
+        list(engine.stream(SHARED[2:4], 4))
+        dropped = weakref.ref(engine)
         del engine
         assert dropped() is None
     finally:
