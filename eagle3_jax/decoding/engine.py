@@ -72,6 +72,8 @@ CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and dem
 # Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries. The H200's best for speculation
 # (BENCHMARKS.md (m): "auto" 1.33x its rate at 1,024 through the 512-prompt pool), 6% below 1,024 spec off.
 PREFILL_CHUNK = 2048
+# ... and on the CPU, where a chunk's arrays are as wide whatever it holds and 2048 ran the demo pair 1.65x slower
+CPU_PREFILL_CHUNK = 512
 # Engine(prefill_sequences=None): prompts one chunk holds, one for each PROMPT_TOKENS_PER_SEQUENCE of its tokens
 # (2 to 16). A chunk's arrays and its attention kernel's grid are that wide whatever it holds, so a few prompts of
 # typical length fill it, where one per token would launch mostly empty work.
@@ -123,7 +125,7 @@ class Engine:
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, max_draft_tokens: int | None = None, round_costs=None,
+                 prefill_chunk: int | None = None, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None, kv_tokens: int | None = None, page_size: int | None = None,
                  prefill_sequences: int | None = None, prefix_caching: bool = True):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
@@ -155,7 +157,8 @@ class Engine:
         KV that does not fit in the device's free memory is refused here, before anything is allocated.
         page_size: tokens per page (None: page_pool.default_page_size: DEFAULT_PAGE_SIZE, less for a max_len below
         it).
-        prefill_chunk: the prompt tokens each call of rounds carries in its first round's target forward (a mixed
+        prefill_chunk: (None: PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU) the prompt tokens each call
+        of rounds carries in its first round's target forward (a mixed
         step: the chunk rides on the weights the rounds read anyway), packed from one or more prompts; a longer
         prompt goes on in the next call's chunk. A prompt's row joins the pool's rounds after its last chunk. With
         no row running, and always with exact=True (its kernels' results must not depend on a chunk beside them),
@@ -197,8 +200,10 @@ class Engine:
         default_batch = CPU_DEFAULT_BATCH if jax.default_backend() == "cpu" else MAX_DEFAULT_BATCH
         self.max_batch = default_batch if max_batch is None else int(max_batch)
         self._rounds_per_call = int(rounds_per_call)
+        if prefill_chunk is None:
+            prefill_chunk = CPU_PREFILL_CHUNK if jax.default_backend() == "cpu" else PREFILL_CHUNK
         self.prefill_chunk = int(prefill_chunk)
-        default = min(16, max(2, prefill_chunk // PROMPT_TOKENS_PER_SEQUENCE))
+        default = min(16, max(2, self.prefill_chunk // PROMPT_TOKENS_PER_SEQUENCE))
         self.prefill_sequences = min(self.max_batch, int(prefill_sequences or default), self.prefill_chunk)
         # Under "auto", the largest gamma; prefill packs its output at this width.
         self.num_draft_tokens = gamma if proposer is not None else 0

@@ -89,8 +89,9 @@ def check_max_batch(max_batch) -> None:
 
 
 def check_prefill(prefill_chunk, prefill_sequences, prefix_caching) -> None:
-    """prefill_chunk (a positive int), prefill_sequences (None or a positive int) and prefix_caching (a bool)."""
-    if not is_int(prefill_chunk) or prefill_chunk < 1:
+    """prefill_chunk (None or a positive int), prefill_sequences (None or a positive int) and prefix_caching (a
+    bool)."""
+    if prefill_chunk is not None and (not is_int(prefill_chunk) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     if prefill_sequences is not None and (not is_int(prefill_sequences) or prefill_sequences < 1):
         raise ValueError(f"prefill_sequences must be None or a positive int, got {prefill_sequences!r}")
