@@ -123,12 +123,13 @@ def spec_off_read(s: Setup, batch: int, length: int) -> int:
     return s.target_read(batch, 1) + _target_kv(s, batch, length)
 
 
-def decode(run: Run, s: Setup, batch: int, length: int, kernels: str) -> None:
-    """The spec-off step, per round of the engine's calls of several rounds."""
+def decode(run: Run, s: Setup, batch: int, length: int, kernels: str) -> steps.EngineCall:
+    """The spec-off step, per round of the engine's calls of several rounds; returns the timed call."""
     timed = spec_off(s, batch, length, kernels)
     entry = {"batch": batch, "kv_len": length, "kernels": kernels, "tokens_per_s": batch / timed.seconds,
              "rounds_per_call": s.rounds_per_call}
     run.row("decode", entry, timed.seconds, spec_off_read(s, batch, length), timed.compile_s)
+    return timed
 
 
 def verify(run: Run, s: Setup, batch: int, tokens: int, kernels: str) -> None:

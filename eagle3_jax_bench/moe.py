@@ -16,7 +16,8 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   routing and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
   distinct experts' bytes and the routers' over the copy rate.
 `--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
-alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only).
+alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only), each decode step
+with a profiler trace of its kernels (trace).
 On the CPU it runs the same code at tiny shapes (a smoke test).
 """
 
@@ -34,7 +35,7 @@ from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
 
-from . import dense, moe_layer, presets, steps
+from . import dense, moe_layer, presets, profile, steps
 from .core import Run, compile_timed, import_absl_library, time_chain
 from .inputs import normal, random_cache
 
@@ -42,6 +43,7 @@ ROUTINGS = ("random", "local")
 PUBLISHED_TAU = (3, 2.5)  # SpecForge / SpecBundle Qwen3-30B-A3B, SGLang batch 8 chain, MT-bench: tau 2.5 at 3 steps
 LOCAL_REUSE = 0.5  # synthetic local routing: chance that each choice repeats one of the previous token's
 LOCAL_ZIPF = 1.0  # ... and the per-layer expert popularity of the other choices, p(rank r) ~ 1 / r^s
+TRACE_TOP = 24  # the largest kernels a trace row lists, with the model's ops each runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,12 +288,40 @@ def steps_only(run: Run, s: dense.Setup) -> dict:
     run.results["expert_path_by_tokens"] = {t: moe.choose_path(t, s.dtype, kernels) for t in counts}
     for batch in s.plan.batches:
         if run.time_left(f"decode b{batch}"):
-            dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels)
+            trace(run, s.plan.target, batch, dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels))
     for gamma in sorted(s.plan.gammas, reverse=True):
         for batch in s.plan.spec_batches:
             if run.time_left(f"verify b{batch} t{gamma + 1}"):
                 dense.verify(run, s, batch, gamma + 1, kernels)
     return run.results
+
+
+def trace(run: Run, cfg: Qwen3Config, batch: int, timed: steps.EngineCall) -> None:
+    """Where one spec-off call (dense.decode's, timed) spends its time (jax.profiler, on the GPU): per layer of each
+    round, each kind of kernel's GPU microseconds (profile.kernel_groups), the idle time between the call's first
+    and last kernel (launches and the gaps between kernels), and the call's largest kernels; nothing off the GPU."""
+    holder = [timed.state]
+
+    def one_call():
+        holder[0], packed = timed.call(holder[0])
+        return packed
+
+    events = profile.gpu_events(one_call)
+    if not events:
+        return
+    per = timed.rounds * cfg.num_layers  # the call's layer applications
+    busy, idle = profile.busy_and_idle(events)
+    times: dict[str, list] = {}
+    for name, _, us in events:
+        entry = times.setdefault(name, [0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + us
+    top = sorted(times.items(), key=lambda kv: -kv[1][1])[:TRACE_TOP]
+    sources = profile.kernel_sources(timed.compiled.as_text(), [name for name, _ in top])
+    run.add("trace", {"batch": batch, "rounds": timed.rounds,
+                      "step_ms": timed.seconds * 1e3, "kernels": len(events) / timed.rounds,
+                      "per_layer_us": {"kernels": busy / per, "idle": idle / per,
+                                       **{k: v / per for k, v in profile.kernel_groups(times).items()}},
+                      "top_per_layer": {name: [n / per, us / per, sources[name]] for name, (n, us) in top}})
 
 
 def run_all(run: Run, s: dense.Setup, plan: MoePlan, routing_first: str) -> dict:
@@ -322,6 +352,12 @@ def summary(results: dict) -> str:
                  f"{LOCAL_REUSE}, Zipf {LOCAL_ZIPF}), not replayed from a real model")
     if "expert_path_by_tokens" in results:
         lines.append(f"expert path by tokens per step: {json.dumps(results['expert_path_by_tokens'])}")
+    for r in results.get("trace", []):
+        layer = ", ".join(f"{k} {v:.1f}" for k, v in r["per_layer_us"].items())
+        lines.append(f"trace batch {r['batch']}: step {r['step_ms']:.3f} ms, {r['kernels']:.0f} kernels a step; per "
+                     f"layer (us): {layer}")
+        lines.append("    largest (launches, us per layer): " + ", ".join(
+            f"{name[:40]} {n:.2f} {us:.1f}" for name, (n, us, _) in list(r["top_per_layer"].items())[:8]))
     for r in results.get("layer_ops", []):
         if "error" in r:
             lines.append(f"layer op {r['op']:18s} not run: {r['error'][:100]}")

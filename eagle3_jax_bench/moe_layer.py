@@ -6,7 +6,8 @@ the router with the experts (moe_mlp), the whole layer, and the final norm with 
 Each row against the bytes it must read over the copy rate. The op rows summed against the layer row show
 what launches between them cost; on the GPU the kernels of the PROFILED ops (jax.profiler) name what runs.
 
-The router rows (top-k by ranks as the model routes, and by lax.top_k's sort: moe.route's `select`) add
+The router rows (top-k by ranks, by lax.top_k's sort, and by the router kernel as the model routes with the
+Pallas kernels: moe.route's `select`) add
 their weights' sum (scaled) to the state to chain; the experts row takes routing fixed ahead (k distinct
 random experts); attention writes into a cache that is not donated (XLA copies it, a few MB per layer at
 KV 1024, where the step updates its cache in place).
@@ -28,7 +29,7 @@ from .inputs import normal, random_cache
 REPEAT = 4
 KV_LENGTH = 1024
 # ops whose GPU kernels are listed (which kernel costs what)
-PROFILED = ("router_topk", "router_topk_sort", "experts", "moe_mlp", "layer")
+PROFILED = ("router_topk", "router_topk_sort", "router_topk_kernel", "experts", "moe_mlp", "layer")
 
 
 def _chain(per_layer, x, *, op, repeat):
@@ -69,7 +70,7 @@ def _ops(cfg, kernels: str, path: str) -> dict:
         return x + moe.moe_mlp(normed, a["layer"], cfg.moe, kernels=kernels)[0]
 
     return {"norm": norm, "attention": attention, "router_topk": router_topk("rank"),
-            "router_topk_sort": router_topk("sort"), "experts": experts,
+            "router_topk_sort": router_topk("sort"), "router_topk_kernel": router_topk("kernel"), "experts": experts,
             "moe_mlp": moe_mlp, "layer": layer}
 
 
@@ -80,7 +81,8 @@ def _reads(layer: dict, cfg, itemsize: int) -> dict:
     attention = steps.nbytes([layer[n] for n in ("wqkv", "wo", "q_norm", "k_norm")]) + kv
     router = steps.nbytes(layer["router"])
     norm = steps.nbytes(layer["mlp_norm"])
-    return {"norm": norm, "attention": attention, "router_topk": router, "router_topk_sort": router, "experts": expert,
+    return {"norm": norm, "attention": attention, "router_topk": router, "router_topk_sort": router,
+            "router_topk_kernel": router, "experts": expert,
             "moe_mlp": router + expert, "layer": 2 * norm + attention + router + expert}
 
 

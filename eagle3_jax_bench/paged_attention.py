@@ -1,6 +1,6 @@
 """`python -m eagle3_jax_bench.paged_attention --out DIR`: ragged paged attention on the GPU against the copy rate.
 
-At Qwen3-8B heads (32 query, 8 KV, head_dim 128), bf16, random data, every sequence of a batch with
+At Qwen3-8B heads (32 query, 8 KV, head_dim 128; --heads for others), bf16, random data, every sequence of a batch with
 the same number of keys L (its new tokens included):
   decode   one query per sequence, batch x keys x page size (the plan's grid)
   verify   gamma + 1 = 4 queries per sequence, a smaller grid
@@ -249,10 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON list of [batch, keys, page_size] for the tuning rows (default: the plan's)")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also GPU kernel time per call from a profiler trace (about 1 s more per op)")
+    parser.add_argument("--heads", type=int, nargs=3, metavar=("N", "K", "H"), default=None,
+                        help="query heads, KV heads, head_dim (default: Qwen3-8B's; 32 4 128 is Qwen3-30B-A3B's)")
     parser.add_argument("--budget-s", type=float, default=200.0, help="no new row starts after this")
     args = parser.parse_args(argv)
     dry = args.dry_run or _dry()
     plan = tiny_plan() if dry else qwen3_8b_plan()
+    if args.heads:
+        plan = dataclasses.replace(plan, heads=tuple(args.heads))
     tuning_shapes = args.tuning_shapes or ([[1, 40, 8]] if dry else [[1, 1024, 16], [1, 8192, 16], [8, 32768, 16],
                                                                       [64, 8192, 64]])
     run = Run(args.budget_s, args.out, "bench_paged_attention.json")

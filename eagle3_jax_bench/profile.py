@@ -5,41 +5,89 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import re
 import shutil
 import tempfile
 
 import jax
 
 
-def gpu_kernel_times(run, reps: int = 2) -> dict[str, list]:
-    """{kernel name: [launches, GPU microseconds]} per run(), from a jax.profiler trace ({} without a GPU)."""
+def gpu_events(run) -> list[tuple[str, float, float]]:
+    """(kernel name, start us, duration us) of every GPU kernel one run() launched, from a jax.profiler trace,
+    in start order ([] without a GPU)."""
     if jax.default_backend() != "gpu":
-        return {}
+        return []
     run()  # not traced: the first call after a trace starts can pay for setup
     log_dir = tempfile.mkdtemp()
     jax.profiler.start_trace(log_dir)
-    for _ in range(reps):
-        jax.block_until_ready(run())
+    jax.block_until_ready(run())
     jax.profiler.stop_trace()
     trace = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0]
     data = jax.profiler.ProfileData.from_file(trace)
     shutil.rmtree(log_dir)
-    found: dict[str, list] = {}
+    events = []
     for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if "stream" in line.name.lower():  # kernels, not derived lines like "XLA Ops"
-                    for event in line.events:
-                        entry = found.setdefault(event.name, [0, 0.0])
-                        entry[0] += 1 / reps
-                        entry[1] += event.duration_ns / reps / 1e3
+                    events += [(e.name, e.start_ns / 1e3, e.duration_ns / 1e3) for e in line.events]
+    return sorted(events, key=lambda e: e[1])
+
+
+def gpu_kernel_times(run, reps: int = 2) -> dict[str, list]:
+    """{kernel name: [launches, GPU microseconds]} per run(), the mean over reps traced calls ({} without a GPU)."""
+    found: dict[str, list] = {}
+    for _ in range(reps):
+        for name, _, us in gpu_events(run):
+            entry = found.setdefault(name, [0, 0.0])
+            entry[0] += 1 / reps
+            entry[1] += us / reps
     return found
+
+
+def busy_and_idle(events: list[tuple[str, float, float]]) -> tuple[float, float]:
+    """(microseconds some kernel ran, microseconds between the first kernel's start and the last's end when none
+    ran) of one call's events: the idle part is what launches and the gaps between kernels cost."""
+    if not events:
+        return 0.0, 0.0
+    busy, end = 0.0, events[0][1]
+    for _, start, us in events:  # in start order; time when kernels overlap (other streams) is counted once
+        busy += max(0.0, start + us - max(start, end))
+        end = max(end, start + us)
+    return busy, end - events[0][1] - busy
+
+
+def kernel_sources(hlo_text: str, kernels: list[str], most: int = 4) -> dict[str, list[str]]:
+    """{kernel name: the source ops (jax's op_name metadata, jit and loop prefixes cut) of the HLO instruction a
+    trace's kernel is named after and of what it fuses, at most `most`}: which lines of the model a fusion runs.
+    A kernel XLA reuses for identical fusions is named after one of them; a name with no instruction: []."""
+    bodies: dict[str, str] = {}
+    for block in re.split(r"\n(?=\S)", hlo_text):  # computations start at column 0
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+)", block)
+        if head:
+            bodies[head.group(1)] = block
+    out = {}
+    for kernel in kernels:
+        found = re.search(rf"%({re.escape(kernel).replace('_', '[._]')}) = .*", hlo_text)
+        ops: list[str] = []
+        if found:
+            line = found.group(0)
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            text = line + ("\n" + bodies.get(called.group(1), "") if called else "")
+            for name in re.findall(r'op_name="([^"]+)"', text):
+                short = re.sub(r"^(jit\([^)]*\)/)?((while|body|cond|closed_call|checkpoint|jvp\(\w+\))/)*", "", name)
+                if short not in ops:
+                    ops.append(short)
+        out[kernel] = ops[:most]
+    return out
 
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("matmuls", ("gemm", "cublas", "dot")),
     ("attention", ("attention",)),
     ("fused norm", ("add_rms_norm",)),
+    ("routed experts", ("moe_gate_up", "moe_down")),
+    ("RoPE + KV write", ("rope_page_write",)),
 )
 
 

@@ -1,7 +1,7 @@
 """Pallas GPU kernels for EAGLE-3 decode, verify and prefill: paged attention, the exact path's kernels, and
 the fused small ops (each module's docstring says why it exists and what it measured).
 
-  ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, max_q_len=None,
+  ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, max_q_len=None, uniform=False,
                          interpret=False, **RaggedPagedConfig fields)
                                                                 decode, verify and prefill chunks of a
                                                                 ragged token batch over paged KV (Mosaic
@@ -20,6 +20,9 @@ the fused small ops (each module's docstring says why it exists and what it meas
   skinny_matmul(x, w, *, out_dtype=None, interpret=False, **SkinnyConfig fields)
                                                                 x @ w.T for few rows, row results
                                                                 independent of the row count
+  route_top_k(logits, *, k, normalize, out_dtype, interpret=False)
+                                                                a Qwen3-MoE router's softmax, top-k and
+                                                                renormalisation for few rows (Triton)
   moe_experts(x, combine, slots, count, w_gate_up, w_down, *, interpret=False, **ExpertsConfig fields)
                                                                 a Qwen3-MoE layer's routed experts for few
                                                                 rows, each expert's weights read once
@@ -28,7 +31,7 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
 - Attention over the engine's paged KV: Mosaic GPU (TMA loads of pages, wgmma) on Hopper, one kernel for
   every query shape (eagle3_jax.models.paged_attention.uses_paged_kernel); elsewhere the model's XLA path.
 - The exact path's kernels (skinny_matmul, invariant_attention), the fused add + RMSNorm, the fused q/k norm
-  + RoPE + page write and the routed experts: Pallas's Triton backend (pl.pallas_call with
+  + RoPE + page write, the MoE router's top-k and the routed experts: Pallas's Triton backend (pl.pallas_call with
   pltriton.CompilerParams). A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: the Mosaic GPU
   add_rms_norm_mgpu matches Triton's kernel time on the H200 but costs 3.50 against 2.46 us a call in a chain of
   72 (eagle3_jax_bench/norm.py), so Hopper keeps Triton by default (eagle3_jax.models.layers
@@ -47,6 +50,8 @@ from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.add_rms_norm_mgpu import add_rms_norm_mgpu
 from pallas_kernels.add_rms_norm_mgpu import unsupported as add_rms_norm_mgpu_unsupported
 from pallas_kernels.invariant_attention import InvariantConfig, invariant_attention
+from pallas_kernels.moe_router import route_top_k
+from pallas_kernels.moe_router import unsupported as route_top_k_unsupported
 from pallas_kernels.ragged_paged_attention import RaggedPagedConfig, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import unsupported as ragged_paged_unsupported
 from pallas_kernels.reference import attention_reference, paged_attention_reference
@@ -71,6 +76,8 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_unsupported",
     "rope_page_write",
+    "route_top_k",
+    "route_top_k_unsupported",
     "skinny_matmul",
     "skinny_matmul_reference",
 ]

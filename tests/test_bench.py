@@ -3,8 +3,11 @@ not asserted: speed is measured on the GPU, see BENCHMARKS.md)."""
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import pallas_kernels
@@ -94,6 +97,25 @@ def test_kernel_groups_sort_a_profile_by_kind():
     assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 160.0, "fused norm": 160.0,
                                             "other (small XLA fusions)": 80.0}
     assert profile.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
+    assert profile.gpu_events(lambda: None) == []
+
+
+def test_a_traces_busy_and_idle_time_and_the_ops_behind_its_kernels():
+    """busy_and_idle on kernels with gaps and an overlap (another stream's, counted once); kernel_sources finds the
+    jax ops a fusion runs in the optimised HLO's text, by the trace's name (dots as underscores)."""
+    events = [("a", 0.0, 2.0), ("b", 3.0, 2.0), ("c", 4.0, 3.0), ("d", 10.0, 1.0)]  # c overlaps b by 1 us
+    assert profile.busy_and_idle(events) == (7.0, 4.0) and profile.busy_and_idle([]) == (0.0, 0.0)
+
+    def f(x):
+        with jax.named_scope("layer_0"):
+            y = jnp.sin(x) @ x
+        with jax.named_scope("layer_1"):
+            return jnp.exp(y).sum(0)
+
+    text = jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text()
+    fusion = re.search(r"%([\w.]*fusion[\w.]*) = ", text).group(1)
+    sources = profile.kernel_sources(text, [fusion.replace(".", "_"), "no_such_kernel"])
+    assert "layer_1/reduce_sum" in sources[fusion.replace(".", "_")] and sources["no_such_kernel"] == []
 
 
 def test_sampling_section_and_its_sort_reference(tmp_path):
@@ -168,12 +190,16 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
 
 def test_moe_bench_steps_only(tmp_path, monkeypatch):
     """`bench --model qwen3-30b-a3b --steps-only` at tiny shapes: the decode and verify rows on the routed
-    floors, the expert path of each step's token count, no drafter rows and no experts section."""
+    floors, the expert path of each step's token count, no drafter rows and no experts section; the decode
+    step's trace row from a stand-in for the GPU's trace (two kernels a layer, 1 us apart)."""
     import dataclasses
 
     tiny = moe.tiny_plan()
     plan = dataclasses.replace(tiny, base=dataclasses.replace(tiny.base, gammas=(1,)))
     monkeypatch.setattr(moe, "tiny_plan", lambda: plan)
+    layers = plan.base.target.num_layers
+    events = [e for i in range(layers) for e in (("moe_gate_up", 10.0 * i, 4.0), ("fusion_7", 10.0 * i + 5, 3.0))]
+    monkeypatch.setattr(profile, "gpu_events", lambda run: run() is not None and events)
     args = ["--tiny", "--model", "qwen3-30b-a3b", "--steps-only", "--out", str(tmp_path), "--kernels", "xla",
             "--rounds-per-call", "1"]
     assert bench.main(args) == 0
@@ -184,6 +210,11 @@ def test_moe_bench_steps_only(tmp_path, monkeypatch):
     cfg = plan.base.target
     assert decode["bytes_read"] < cfg.num_layers * cfg.moe.num_experts * moe.expert_bytes(cfg, 4)
     assert results["expert_path_by_tokens"] == {"1": "gathered", "2": "gathered"}
+    (trace,) = results["trace"]
+    assert trace["rounds"] == 1 and trace["kernels"] == 2 * layers
+    assert trace["per_layer_us"] == pytest.approx({"kernels": 7.0, "idle": 3.0 - 2.0 / layers, "routed experts": 4.0,
+                                                   "other (small XLA fusions)": 3.0})
+    assert trace["top_per_layer"]["moe_gate_up"][:2] == [1.0, 4.0]
 
 
 def test_moe_bench_experts_only(tmp_path, monkeypatch):
@@ -199,8 +230,8 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["skipped"] == [] and "decode" not in results
     ops = {r["op"]: r for r in results["layer_ops"]}
-    assert set(ops) == {"norm", "attention", "router_topk", "router_topk_sort", "experts", "moe_mlp", "layer",
-                        "final_norm_lm_head"}
+    assert set(ops) == {"norm", "attention", "router_topk", "router_topk_sort", "router_topk_kernel", "experts",
+                        "moe_mlp", "layer", "final_norm_lm_head"}
     assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in ops.values())
     parts = 2 * ops["norm"]["bytes_read"] + ops["attention"]["bytes_read"] + ops["moe_mlp"]["bytes_read"]
     assert ops["layer"]["bytes_read"] == parts and ops["experts"]["expert_path"] == "gathered"

@@ -17,6 +17,7 @@ from eagle3_jax import CheckpointError
 from eagle3_jax.checkpoints import safetensors_io
 from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
+from eagle3_jax.models.config import MoeConfig
 from pallas_kernels import routed_experts
 
 from cuda_lowering import lower_for_cuda
@@ -78,6 +79,76 @@ def test_ranked_top_k_and_distinct_ids_without_a_sort():
         want = np.unique(ids)
         want = np.concatenate([want, np.full(min(M * k, E) - len(want), E)])
         np.testing.assert_array_equal(np.asarray(distinct(ids, E, min(M * k, E))), want)
+
+
+def xla_route(logits, k, normalize):
+    """route's XLA steps after the router matmul: softmax, lax.top_k, renormalisation (the kernel's reference)."""
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    return (weights / jnp.sum(weights, -1, keepdims=True) if normalize else weights), ids
+
+
+@pytest.mark.parametrize("M,E,k", [(1, 128, 8), (5, 60, 3), (32, 128, 8), (2, 6, 1), (64, 17, 17)])
+def test_router_kernel_matches_softmax_and_lax_top_k(M, E, k):
+    """pallas_kernels.route_top_k (interpreted) against softmax + lax.top_k: random logits and logits of few
+    levels (ties everywhere, to the lower index), experts and choices not powers of 2, one to 64 rows, every
+    expert chosen (17 of 17), renormalised or not, weights cast to bfloat16."""
+    rng = np.random.default_rng(M + E)
+    for logits in (rng.standard_normal((M, E)) * 3, rng.integers(0, 4, (M, E))):
+        logits = jnp.asarray(logits, jnp.float32)
+        for normalize in (True, False):
+            weights, ids = pallas_kernels.route_top_k(logits, k=k, normalize=normalize, out_dtype=jnp.float32,
+                                                      interpret=True)
+            want_weights, want_ids = xla_route(logits, k, normalize)
+            np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+            np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6)
+        low, _ = pallas_kernels.route_top_k(logits, k=k, normalize=True, out_dtype=jnp.bfloat16, interpret=True)
+        assert low.dtype == jnp.bfloat16
+
+
+def test_router_kernel_refusals_and_its_choice():
+    """The router kernel refuses what it cannot take, naming it; moe_mlp routes through it exactly where the
+    routed experts may take their Pallas kernel and it takes the rows."""
+    with pytest.raises(ValueError, match="65 rows"):
+        pallas_kernels.route_top_k(jnp.zeros((65, 8)), k=2, normalize=True, out_dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="top 9 of 8 experts"):
+        pallas_kernels.route_top_k(jnp.zeros((1, 8)), k=9, normalize=True, out_dtype=jnp.float32, interpret=True)
+    cfg = MoeConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=())
+    assert [moe.choose_router(t, cfg, "pallas") for t in (1, 64, 65)] == ["kernel", "kernel", "rank"]
+    assert [moe.choose_router(1, cfg, kernels) for kernels in ("xla", "exact")] == ["rank", "rank"]
+
+
+def test_tied_router_logits_route_as_transformers():
+    """transformers' own router (Qwen3MoeTopKRouter) on router weights whose rows come in equal pairs, so every
+    logit ties with another: where no tie straddles the k-th place (k even) the experts and weights are
+    transformers'; where one does (k odd), ours is the lower index, as lax.top_k breaks ties. (torch.topk leaves
+    that choice to its implementation: on the CPU, 8 of 28 tied entries of 128 came out as 106 to 113.)"""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    E, D = 8, 16
+    pairs = torch.randn(E // 2, D)
+    x = torch.randn(6, D)
+    for k in (2, 4, 3):
+        router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=D, num_experts=E, num_experts_per_tok=k,
+                                                   norm_topk_prob=True)).eval()
+        with torch.no_grad():
+            router.weight.copy_(pairs.repeat_interleave(2, dim=0))  # experts 2j and 2j + 1 alike
+            _, scores, indices = router(x)
+        for select in ("rank", "kernel", "sort"):
+            weights, ids = moe.route(jnp.asarray(x.numpy()), jnp.asarray(router.weight.detach().numpy()), k, True,
+                                     select)
+            ids, weights = np.asarray(ids), np.asarray(weights)
+            if k % 2 == 0:
+                order, ref_order = np.argsort(ids, -1), np.argsort(indices.numpy(), -1)
+                np.testing.assert_array_equal(np.take_along_axis(ids, order, -1),
+                                              np.take_along_axis(indices.numpy(), ref_order, -1))
+                np.testing.assert_allclose(np.take_along_axis(weights, order, -1),
+                                           np.take_along_axis(scores.numpy(), ref_order, -1), rtol=1e-5)
+            else:  # the first k - 1 are transformers'; the last is one of a tied pair: its lower member
+                np.testing.assert_array_equal(np.sort(ids[:, :-1], -1), np.sort(indices.numpy()[:, :-1], -1))
+                assert all(last % 2 == 0 and last + 1 not in row for last, row in zip(ids[:, -1], ids[:, :-1])), select
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
@@ -326,21 +397,26 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
 
 def test_expert_kernel_lowers_for_cuda_at_qwen3_30b_a3b_shapes():
     """The kernel's Triton lowering (what the GPU compiles) at the benchmark's shapes, from the CPU: 8 rows
-    of top-8 routing over 128 experts, hidden 2048, moe_intermediate 768, bfloat16."""
+    of top-8 routing over 128 experts, hidden 2048, moe_intermediate 768, bfloat16; and the router kernel's."""
     E, D, Ie, M, S = 128, 2048, 768, 8, 64
     spec = jax.ShapeDtypeStruct
     args = (spec((M, D), jnp.bfloat16), spec((S, M), jnp.bfloat16), spec((S,), jnp.int32), spec((1,), jnp.int32),
             spec((E, 2 * Ie, D), jnp.bfloat16), spec((E, D, Ie), jnp.bfloat16))
     text = lower_for_cuda(routed_experts._experts, *args, config=routed_experts.ExpertsConfig(), interpret=False)
     assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1 and "triton" in text
+    for rows in (1, 8, 32):  # the router kernel feeding it: decode and verify steps of up to batch 8 x 4 tokens
+        text = lower_for_cuda(pallas_kernels.route_top_k, spec((rows, E), jnp.float32), k=8, normalize=True,
+                              out_dtype=jnp.bfloat16)
+        assert "moe_router" in text and "triton" in text
 
 
 def test_kernel_path_decode_matches_transformers(case, monkeypatch):
-    """Decode steps (3 rows) through the expert kernel (interpreted) against transformers' logits, and
-    greedy tokens alike; prefill stays on the grouped path."""
+    """Decode steps (3 rows) through the router kernel and the expert kernel (interpreted) against transformers'
+    logits, and greedy tokens alike; prefill stays on the grouped path and routes by ranks."""
     name, model, _, tgt = case
     cfg = tgt.config
     monkeypatch.setattr(moe, "choose_path", lambda tokens, dtype, kernels: "kernel" if tokens <= 16 else "grouped")
+    monkeypatch.setattr(moe, "choose_router", lambda tokens, cfg, kernels: "kernel" if tokens <= 16 else "rank")
     run = jax.jit(target_lib.forward_rows, static_argnums=(1, 4))  # traced here, with the patched choice
     tokens, lengths = padded(PROMPTS)
     cache = target_lib.new_row_cache(cfg, len(PROMPTS), 32, jnp.float32)

@@ -127,6 +127,24 @@ def test_kernel_default_splits_for_a_batch_of_one_decode():
     check(out, paged_attention_reference(*args, scale=0.125), args[5], jnp.bfloat16)
 
 
+@pytest.mark.parametrize("q_len,G", [(1, 8), (4, 4), (12, 8)], ids=["decode", "verify", "two-tiles"])
+def test_a_uniform_batch_merges_its_splits_statically(q_len, G):
+    """Three sequences of q_len queries each, in order (a decode or verify batch; 12 queries of a group of 8: two
+    tiles a sequence), over two splits: uniform=True (the merge by slices) is the ragged merge bit for bit, and
+    the reference; a batch whose tokens are not its sequences' refuses uniform=True."""
+    args = ragged_batch(q_len, [q_len] * 3, [40, 17, 64], K=2, G=G, H=64, page_size=8, dtype=jnp.float32,
+                        extra_tokens=0)
+    assert RaggedPagedConfig(block_kv=64, num_splits=2).splits_for(3, args[3].shape[1] * 8) == 2  # a merge runs
+    ragged = ragged_paged_attention(*args, scale=0.125, max_q_len=q_len, interpret=True, block_kv=64, num_splits=2)
+    uniform = ragged_paged_attention(*args, scale=0.125, max_q_len=q_len, uniform=True, interpret=True, block_kv=64,
+                                     num_splits=2)
+    np.testing.assert_array_equal(np.asarray(uniform), np.asarray(ragged))
+    check(uniform, paged_attention_reference(*args, scale=0.125), args[5], jnp.float32)
+    padded = ragged_batch(q_len, [q_len] * 3, [40, 17, 64], K=2, G=G, H=64, page_size=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=f"uniform: {3 * q_len + 2} tokens are not 3 sequences of {q_len}"):
+        ragged_paged_attention(*padded, scale=0.125, max_q_len=q_len, uniform=True, interpret=True)
+
+
 def test_token_positions_and_write_pages_match_a_dense_cache():
     """New K/V written into shuffled pages equal the same entries set in a dense cache per sequence, read back
     through the page table; tokens of no sequence, positions past the table and page ids outside the pool write

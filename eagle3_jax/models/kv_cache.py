@@ -64,7 +64,7 @@ def table_width(max_len: int, page_size: int, tail: int) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("page_table", "kv_lens", "cu_q_lens"),
-                   meta_fields=("start", "tokens", "max_q_len"))
+                   meta_fields=("start", "tokens", "max_q_len", "uniform"))
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """The tokens start .. start + tokens - 1 of a forward's batch, attended in one kernel call: S sequences,
@@ -77,6 +77,7 @@ class Attention:
     start: int  # static: the group's first token in the batch
     tokens: int  # static: the group's tokens (those past cu_q_lens[-1] belong to no sequence)
     max_q_len: int  # static: at least every sequence's q_len (the kernel's tile plan)
+    uniform: bool = False  # static: every sequence has max_q_len tokens, in order (cu_q_lens[s] = s max_q_len)
 
     @property
     def read_table(self) -> jax.Array:
@@ -106,7 +107,7 @@ class Layout:
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         written = positions if write is None else jnp.where(write[:, None], positions, -1)
         group = Attention(page_table, (start + T).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T, 0,
-                          B * T, T)
+                          B * T, T, uniform=True)
         return cls(page_table, positions.reshape(-1), jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
                    written.reshape(-1), (group,))
 

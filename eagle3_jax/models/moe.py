@@ -54,14 +54,28 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
           select: str = "rank") -> tuple[jax.Array, jax.Array]:
     """x [M, D] -> (weights [M, k] in x's dtype, expert ids [M, k] int32), as transformers routes: logits
     in x's dtype, softmax in float32, top-k of the probabilities, renormalised when `normalize`. select: how
-    the top k are found, "rank" (top_k_ranked, no sort) or "sort" (lax.top_k); both the same ids in the same
+    the top k are found, "rank" (top_k_ranked, no sort), "sort" (lax.top_k) or "kernel" (the softmax, top-k
+    and renormalisation in pallas_kernels.route_top_k, interpreted off the GPU); all the same ids in the same
     order, ties to the lower index."""
     logits = jnp.einsum("md,ed->me", x, router)
+    if select == "kernel":
+        return pallas_kernels.route_top_k(logits.astype(jnp.float32), k=top_k, normalize=normalize,
+                                          out_dtype=x.dtype, interpret=kernels_lib.interpret())
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = TOP_K[select](probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def choose_router(tokens: int, cfg: MoeConfig, kernels: str) -> str:
+    """How a step of `tokens` rows finds its top k (route's select): the router kernel wherever the routed experts
+    may take their Pallas kernel and it takes the shapes (an H200 measured XLA's softmax and top-k at five to six
+    small fusions, about 10 us a layer: pallas_kernels/moe_router.py), else top_k_ranked."""
+    if kernels_lib.experts_in_pallas(kernels) and not pallas_kernels.route_top_k_unsupported(
+            tokens, cfg.num_experts, cfg.num_experts_per_tok):
+        return "kernel"
+    return "rank"
 
 
 def top_k_ranked(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -79,7 +93,7 @@ def top_k_ranked(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(jnp.where(chosen, values[:, None, :], 0), axis=-1).astype(values.dtype), ids
 
 
-TOP_K = {"rank": top_k_ranked, "sort": jax.lax.top_k}
+TOP_K = {"rank": top_k_ranked, "sort": jax.lax.top_k}  # route's selects over the probabilities
 
 
 def _swiglu(h: jax.Array) -> jax.Array:
@@ -130,7 +144,9 @@ def experts_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: 
     fields of pallas_kernels.ExpertsConfig (the benchmark times other tunings through it)."""
     E = w_gate_up.shape[0]
     slots, combine = routed_slots(weights, ids, E)
-    count = jnp.sum(slots < E, keepdims=True).astype(jnp.int32)
+    # One row's slots are its k distinct choices, all real (a constant, not a kernel of its own).
+    count = jnp.full((1,), slots.shape[0], jnp.int32) if ids.shape[0] == 1 else \
+        jnp.sum(slots < E, keepdims=True).astype(jnp.int32)
     return pallas_kernels.moe_experts(x, combine.T, slots, count, w_gate_up, w_down,
                                       interpret=kernels_lib.interpret(), **tuning)
 
@@ -190,7 +206,8 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto",
     chooses by the static token count B T and the kernels (choose_path), a name in PATHS forces one."""
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                         choose_router(B * T, cfg, kernels))
     if path == "auto":
         path = choose_path(B * T, x.dtype, kernels)
     with jax.named_scope(f"moe_{path}"):

@@ -92,7 +92,7 @@ def attention_block(qkv, cos, sin, k_pages, v_pages, layout: Layout, *, num_head
         return _invariant(q, k_pages, v_pages, group), k_pages, v_pages
     flat = q.reshape(B * T, N, H)
     outs = [attend(flat[g.start : g.start + g.tokens], k_pages, v_pages, g.read_table, g.kv_lens, g.cu_q_lens,
-                   max_q_len=g.max_q_len, kernels=kernels) for g in layout.groups]
+                   max_q_len=g.max_q_len, kernels=kernels, uniform=g.uniform) for g in layout.groups]
     return jnp.concatenate(outs).reshape(B, T, N, H), k_pages, v_pages
 
 
@@ -113,16 +113,18 @@ def _invariant(q, k_pages, v_pages, group):
                                               interpret=kernels_lib.interpret())
 
 
-def attend(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, max_q_len: int, kernels: str) -> jax.Array:
+def attend(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, max_q_len: int, kernels: str,
+           uniform: bool = False) -> jax.Array:
     """Ragged paged attention of q [T, N, H] -> [T, N, H]: the Mosaic GPU kernel where it runs
     (uses_paged_kernel), the XLA path everywhere else. page_table: every entry a page of the pool (the layout's
-    read_table). The EXACT kernels take `attention_block`'s own path (a uniform batch), not this one."""
+    read_table). uniform: the group is a uniform batch (kv_cache.Attention.uniform), which the kernel's merge
+    of its splits uses. The EXACT kernels take `attention_block`'s own path (a uniform batch), not this one."""
     if kernels_lib.exact(kernels):
         raise ValueError(f"kernels={kernels!r}: batch-invariant attention runs through attention_block")
     scale = q.shape[-1] ** -0.5
     if uses_paged_kernel(q, k_pages, v_pages, max_q_len=max_q_len, kernels=kernels, on_hopper=kernels_lib.hopper()):
         return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale,
-                                                     max_q_len=max_q_len)
+                                                     max_q_len=max_q_len, uniform=uniform)
     return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale, max_q_len=max_q_len)
 
 
