@@ -15,6 +15,7 @@ import eagle3_jax
 import pallas_kernels
 from eagle3_jax import CheckpointError
 from eagle3_jax.checkpoints import safetensors_io
+from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import MoeConfig
@@ -89,19 +90,20 @@ def xla_route(logits, k, normalize):
 
 @pytest.mark.parametrize("M,E,k", [(1, 128, 8), (5, 60, 3), (32, 128, 8), (2, 6, 1), (64, 17, 17)])
 def test_router_kernel_matches_softmax_and_lax_top_k(M, E, k):
-    """pallas_kernels.route_top_k (interpreted) against softmax + lax.top_k: random logits and logits of few
-    levels (ties everywhere, to the lower index), experts and choices not powers of 2, one to 64 rows, every
-    expert chosen (17 of 17), renormalised or not, weights cast to bfloat16."""
+    """pallas_kernels.route_top_k (interpreted; compiled on a GPU) against softmax + lax.top_k: random logits and
+    logits of few levels (ties everywhere, to the lower index), experts and choices not powers of 2, one to 64
+    rows, every expert chosen (17 of 17), renormalised or not, weights cast to bfloat16."""
     rng = np.random.default_rng(M + E)
     for logits in (rng.standard_normal((M, E)) * 3, rng.integers(0, 4, (M, E))):
         logits = jnp.asarray(logits, jnp.float32)
         for normalize in (True, False):
             weights, ids = pallas_kernels.route_top_k(logits, k=k, normalize=normalize, out_dtype=jnp.float32,
-                                                      interpret=True)
+                                                      interpret=kernels_lib.interpret())
             want_weights, want_ids = xla_route(logits, k, normalize)
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
             np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6)
-        low, _ = pallas_kernels.route_top_k(logits, k=k, normalize=True, out_dtype=jnp.bfloat16, interpret=True)
+        low, _ = pallas_kernels.route_top_k(logits, k=k, normalize=True, out_dtype=jnp.bfloat16,
+                                            interpret=kernels_lib.interpret())
         assert low.dtype == jnp.bfloat16
 
 
