@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import moe
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.config import Qwen3Config
@@ -199,8 +198,6 @@ def _expert_paths() -> tuple[dict, set]:
     paths = {"kernel": moe.experts_kernel, "grouped": moe.experts_grouped, "gathered": moe.experts_gathered}
     if jax.default_backend() == "gpu":  # the kernel's tunings: interpreted off the GPU, only the defaults
         paths.update({name: functools.partial(moe.experts_kernel, **tuning) for name, tuning in KERNEL_TUNINGS.items()})
-    if kernels_lib.hopper():  # jax's Hopper grouped GEMM: no interpreter runs it
-        paths.update({name: moe.PATHS[name] for name in moe.HOPPER_PATHS})
     return {**paths, **swapped}, set(swapped)
 
 
@@ -288,10 +285,7 @@ def steps_only(run: Run, s: dense.Setup) -> dict:
     run.ceilings(s.plan.copy_bytes, s.plan.matmul_n)
     s = routed_setup(s, routing(run, s))
     counts = sorted({b for b in s.plan.batches} | {b * (g + 1) for b in s.plan.spec_batches for g in s.plan.gammas})
-    cfg = s.plan.target
-    run.results["expert_path_by_tokens"] = {t: moe.choose_path(t, s.dtype, kernels, cfg.hidden_size,
-                                                               cfg.moe.moe_intermediate_size, kernels_lib.hopper())
-                                            for t in counts}
+    run.results["expert_path_by_tokens"] = {t: moe.choose_path(t, s.dtype, kernels) for t in counts}
     for batch in s.plan.batches:
         if run.time_left(f"decode b{batch}"):
             trace(run, s.plan.target, batch, dense.decode(run, s, batch, s.plan.kv_lengths[0], kernels))

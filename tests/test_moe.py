@@ -57,9 +57,8 @@ def test_expert_paths_match_the_dense_reference():
     np.testing.assert_allclose(np.sum(np.asarray(weights), -1), 1.0, rtol=1e-6)
     assert len(np.unique(ids)) < E and len(np.unique(ids)) < tokens * top_k
     ref = moe.moe_reference(x, weights, ids, w_gate_up, w_down)
-    for name, path in moe.PATHS.items():
-        if name not in moe.HOPPER_PATHS:  # compiled on Hopper only: tests/test_gpu.py
-            assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, name
+    for path in moe.PATHS.values():
+        assert rel_err(jax.jit(path)(x, weights, ids, w_gate_up, w_down), ref) < 1e-5, path.__name__
 
 
 def test_ranked_top_k_and_distinct_ids_without_a_sort():
@@ -390,37 +389,23 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
     pallas = [moe.choose_path(t, jnp.bfloat16, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)]
     assert pallas == ["kernel", "kernel", "grouped"]
     assert moe.choose_path(2, jnp.float32, "exact") == "gathered"
-    chunk = moe.KERNEL_MAX_TOKENS + 1  # past the expert kernel: jax's Hopper grouped GEMM where it runs
-    assert moe.choose_path(chunk, jnp.bfloat16, "pallas", 2048, 768, on_hopper=True) == "grouped_mgpu"
-    assert moe.choose_path(chunk, jnp.bfloat16, "xla", 2048, 768, on_hopper=True) == "grouped"
     with caplog.at_level("WARNING"):
         assert moe.choose_path(2, jnp.int8, "pallas") == "gathered"
         assert moe.choose_path(2, jnp.int8, "pallas") == "gathered"
-        assert moe.choose_path(chunk, jnp.float32, "pallas", 2048, 768, on_hopper=True) == "grouped"
-        assert moe.choose_path(chunk, jnp.bfloat16, "pallas", 2048, 760, on_hopper=True) == "grouped"
     assert [r.getMessage() for r in caplog.records] == [
         "MoE expert kernel cannot take dtype int8 (the expert kernel takes bfloat16, float16, float32); "
-        "the gathered path runs instead",
-        "jax's Hopper grouped GEMM cannot take dtype float32 (wgmma takes bfloat16 and float16); the grouped path "
-        "runs instead",
-        "jax's Hopper grouped GEMM cannot take hidden 2048 and intermediate 760 (whole tiles of 128 and 64); the "
-        "grouped path runs instead"]
+        "the gathered path runs instead"]
 
 
 def test_expert_kernel_lowers_for_cuda_at_qwen3_30b_a3b_shapes():
     """The kernel's Triton lowering (what the GPU compiles) at the benchmark's shapes, from the CPU: 8 rows
-    of top-8 routing over 128 experts, hidden 2048, moe_intermediate 768, bfloat16; jax's Hopper grouped GEMM's
-    for a prefill chunk (Mosaic GPU); and the router kernel's."""
+    of top-8 routing over 128 experts, hidden 2048, moe_intermediate 768, bfloat16; and the router kernel's."""
     E, D, Ie, M, S = 128, 2048, 768, 8, 64
     spec = jax.ShapeDtypeStruct
     args = (spec((M, D), jnp.bfloat16), spec((S, M), jnp.bfloat16), spec((S,), jnp.int32), spec((1,), jnp.int32),
             spec((E, 2 * Ie, D), jnp.bfloat16), spec((E, D, Ie), jnp.bfloat16))
     text = lower_for_cuda(routed_experts._experts, *args, config=routed_experts.ExpertsConfig(), interpret=False)
     assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1 and "triton" in text
-    tokens = 512  # a prefill chunk's rows through jax's Hopper grouped GEMM (Mosaic GPU), on the stored layout
-    text = lower_for_cuda(jax.jit(moe.experts_grouped_mgpu), spec((tokens, D), jnp.bfloat16),
-                          spec((tokens, 8), jnp.bfloat16), spec((tokens, 8), jnp.int32), args[4], args[5])
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # gate/up and down
     for rows in (1, 8, 32):  # the router kernel feeding it: decode and verify steps of up to batch 8 x 4 tokens
         text = lower_for_cuda(pallas_kernels.route_top_k, spec((rows, E), jnp.float32), k=8, normalize=True,
                               out_dtype=jnp.bfloat16)

@@ -14,9 +14,6 @@ step, and never computing all E experts:
     costs about what reading every expert does, whatever the token count (figures below).
   * `experts_kernel` (few tokens, GPU): the gathered path's arithmetic in pallas_kernels.moe_experts,
     which streams each routed expert's weights once from where they are stored, with no gathered copy.
-  * `experts_grouped_mgpu` (many tokens, Hopper, 16-bit): the grouped path's two GEMMs in jax's own Hopper
-    grouped GEMM (wgmma), on the stored layout. The H200 took 1.40 s to prefill a chunk of Qwen3-30B-A3B through
-    XLA's grouped GEMMs (BENCHMARKS.md, table (k)).
 `moe_mlp` picks one by the static token count M = B T and the kernels (`choose_path`). `moe_reference`
 (all experts, dense) is the tests' oracle only.
 
@@ -181,58 +178,16 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
     return jnp.zeros_like(x).at[token].add(y)
 
 
-# jax's Hopper grouped GEMM (wgmma, TMA; jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py) on the stored
-# [E, out, in] weights (transpose_rhs): tiles of MGPU_TILE rows x columns, MGPU_BLOCK_K of the contraction a step.
-MGPU_TILE, MGPU_BLOCK_K, MGPU_STAGES = 128, 64, 4
+PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel}
 
 
-def _ragged_dot_mgpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=MGPU_TILE, block_n=MGPU_TILE,
-                                      block_k=MGPU_BLOCK_K, max_concurrent_steps=MGPU_STAGES, grid_block_n=1,
-                                      transpose_rhs=True)
-
-
-def experts_grouped_mgpu(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
-                         w_down: jax.Array) -> jax.Array:
-    """experts_grouped through jax's Hopper grouped GEMM (prefill chunks on a Hopper GPU, 16-bit weights:
-    grouped_mgpu_unsupported). Its grid runs a tile for each group boundary inside a block of rows, empty groups
-    too, so with few rows it would read nearly every expert; with a chunk's rows every expert has some."""
-    return experts_grouped(x, weights, ids, w_gate_up, w_down, ragged_dot=_ragged_dot_mgpu)
-
-
-def grouped_mgpu_unsupported(dtype, hidden: int, intermediate: int, on_hopper: bool) -> str | None:
-    """Why experts_grouped_mgpu cannot run (None when it can): wgmma is Hopper's and takes 16-bit operands, and
-    the contracted and output widths must be whole tiles."""
-    if not on_hopper:
-        return "a GPU other than Hopper"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 and float16)"
-    if hidden % MGPU_TILE or (2 * intermediate) % MGPU_TILE or intermediate % MGPU_BLOCK_K:
-        return f"hidden {hidden} and intermediate {intermediate} (whole tiles of {MGPU_TILE} and {MGPU_BLOCK_K})"
-    return None
-
-
-PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel,
-         "grouped_mgpu": experts_grouped_mgpu}
-HOPPER_PATHS = ("grouped_mgpu",)  # compiled on a Hopper GPU only (no interpreter runs them)
-
-
-def choose_path(tokens: int, dtype, kernels: str, hidden: int = 0, intermediate: int = 0,
-                on_hopper: bool = False) -> str:
+def choose_path(tokens: int, dtype, kernels: str) -> str:
     """The expert path for a step of `tokens` rows: with the Pallas kernels (the GPU's), the expert kernel
-    up to KERNEL_MAX_TOKENS rows where it takes the shapes, past them jax's Hopper grouped GEMM where it runs
-    (grouped_mgpu_unsupported; hidden and intermediate: the layer's widths); else (and with XLA's) gathered up to
+    up to KERNEL_MAX_TOKENS rows where it takes the shapes, else (and with XLA's) gathered up to
     GATHER_MAX_TOKENS, grouped past them. A kernel refusing a shape is logged once with the path taken."""
     xla_path = "gathered" if tokens <= GATHER_MAX_TOKENS else "grouped"
-    if not kernels_lib.experts_in_pallas(kernels):
+    if not kernels_lib.experts_in_pallas(kernels) or tokens > KERNEL_MAX_TOKENS:
         return xla_path
-    if tokens > KERNEL_MAX_TOKENS:
-        reason = grouped_mgpu_unsupported(dtype, hidden, intermediate, on_hopper)
-        if reason and on_hopper:
-            _log_once(f"jax's Hopper grouped GEMM cannot take {reason}; the {xla_path} path runs instead")
-        return xla_path if reason else "grouped_mgpu"
     reason = pallas_kernels.moe_experts_unsupported(tokens, dtype)
     if reason:
         _log_once(f"MoE expert kernel cannot take {reason}; the {xla_path} path runs instead")
@@ -254,7 +209,7 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: MoeConfig, path: str = "auto",
     weights, ids = route(flat, layer["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                          choose_router(B * T, cfg, kernels))
     if path == "auto":
-        path = choose_path(B * T, x.dtype, kernels, D, layer["w_down"].shape[2], kernels_lib.hopper())
+        path = choose_path(B * T, x.dtype, kernels)
     with jax.named_scope(f"moe_{path}"):
         return PATHS[path](flat, weights, ids, layer["w_gate_up"], layer["w_down"]).reshape(B, T, D), ids
 
