@@ -84,9 +84,10 @@ def kernel_sources(hlo_text: str, kernels: list[str], most: int = 4) -> dict[str
 
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("matmuls", ("gemm", "cublas", "dot")),
-    ("attention", ("attention",)),
+    ("attention", ("attention", "entry_mosaic_gpu_kernel")),  # the paged kernel's Mosaic GPU call
     ("fused norm", ("add_rms_norm",)),
     ("routed experts", ("moe_gate_up", "moe_down")),
+    ("MoE router", ("moe_router",)),
     ("RoPE + KV write", ("rope_page_write",)),
 )
 

@@ -1,8 +1,8 @@
 """A Qwen3-MoE router's softmax, top-k and renormalisation for few rows, in one kernel: logits [M, E] (float32)
 -> (weights [M, k], expert ids [M, k] int32), as models/moe.py's `route` computes them after its router matmul.
 
-Why: XLA runs these steps as five to six small fusions a layer (the softmax recomputed inside the top-k's
-comparisons among them), about 10 us of a Qwen3-30B-A3B layer's 72 us at batch 1 on the H200, for 512 bytes of
+Why: XLA runs these steps as six small fusions a layer (the softmax recomputed inside the top-k's
+comparisons among them), about 11 us of a Qwen3-30B-A3B layer's 72 us at batch 1 on the H200, for 512 bytes of
 logits (BENCHMARKS.md, table (k)'s trace). One program holds every row's logits: M x E floats, a few KiB.
 
 Semantics (the reference is `route`'s, lax.top_k's order):
@@ -43,7 +43,8 @@ def _kernel(logits_ref, weights_ref, ids_ref, *, rows, experts, normalize):
     ids = jnp.zeros((rows, width), jnp.int32)
     for i in range(k):  # k passes: the largest left, ties to the lowest index, then masked out
         best = jnp.max(p, axis=1)
-        index = jnp.min(jnp.where(p == best[:, None], expert_ids[None, :], experts), axis=1)
+        # (a row of NaN logits matches nothing: clamped to a real expert, so no caller reads past the weights)
+        index = jnp.minimum(jnp.min(jnp.where(p == best[:, None], expert_ids[None, :], experts), axis=1), E - 1)
         weights = jnp.where(choice == i, best[:, None], weights)
         ids = jnp.where(choice == i, index[:, None], ids)
         p = jnp.where(expert_ids[None, :] == index[:, None], -1.0, p)

@@ -41,8 +41,8 @@ prefill chunk is several, each reading only the keys its last row sees.
 - splits: each CTA's key blocks are split evenly over `splits` CTAs when the work alone leaves
   the H200's SMs idle (batch 1: 8 KV heads for 132 SMs). With one split a CTA writes its tokens'
   rows of the output; with several, each writes a partial output (normalised, in q's dtype) and
-  its base-2 log-sum-exp per row, merged in XLA (merge_splits: one fusion that reads only the
-  real rows) into the tokens' rows.
+  its base-2 log-sum-exp per row, merged in XLA (merge_splits, reading only the real rows: four
+  small fusions on the H200 for a ragged batch, two for a uniform one) into the tokens' rows.
 - Q arrives by one TMA per token of its [G, H] heads (tokens past the array read as zeros) into
   an untiled [64, H] buffer, whose rows are then stored into the swizzled tile wgmma reads (an
   untiled buffer takes any row start; a tiled one only multiples of 8). The output leaves through
@@ -362,8 +362,8 @@ def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: in
     """Partials [splits, S * tiles, K, ROWS, H] and base-2 lse [splits, S * tiles, K, ROWS] -> the
     output [num_tokens, K * group, H] in part's dtype, reading only the real rows. Tokens past cu_q_lens[-1]
     get zeros. uniform: every sequence has num_tokens / S queries, in order (a decode or verify batch), so
-    each token's tile and rows are static and the merge is slices and transposes, one XLA fusion (ragged: the
-    tokens' sequences looked up on the device, four small fusions on the H200, about 5 us a layer at batch 1)."""
+    each token's tile and rows are static and the merge is slices and transposes (two small fusions on the H200;
+    ragged: the tokens' sequences looked up on the device, four, about 5 us a layer at batch 1)."""
     splits, _, K, _, H = part.shape
     if uniform:
         S = cu_q_lens.shape[0] - 1

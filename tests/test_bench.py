@@ -93,9 +93,12 @@ def test_count_compilations_counts_backend_compiles():
 def test_kernel_groups_sort_a_profile_by_kind():
     """The step profile's summary: kernel names as XLA and our Pallas calls name them."""
     times = {"gemm_fusion_dot_147": [36, 1700.0], "ragged_paged_attention": [36, 160.0], "add_rms_norm__1": [72, 160.0],
-             "loop_reduce_fusion_106": [72, 80.0], "input_reduce_fusion_2": [36, 1650.0]}  # a batch-1 matvec
-    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 160.0, "fused norm": 160.0,
-                                            "other (small XLA fusions)": 80.0}
+             "loop_reduce_fusion_106": [72, 80.0], "input_reduce_fusion_2": [36, 1650.0],  # a batch-1 matvec
+             "entry_mosaic_gpu_kernel": [48, 270.0], "moe_router": [48, 150.0], "moe_down": [48, 600.0],
+             "rope_page_write": [48, 100.0]}
+    assert profile.kernel_groups(times) == {"matmuls": 3350.0, "attention": 430.0, "fused norm": 160.0,
+                                            "other (small XLA fusions)": 80.0, "routed experts": 600.0,
+                                            "MoE router": 150.0, "RoPE + KV write": 100.0}
     assert profile.gpu_kernel_times(lambda: None) == {}  # no GPU here: no trace, no numbers
     assert profile.gpu_events(lambda: None) == []
 

@@ -12,7 +12,8 @@ from eagle3_jax_bench import paged_attention
 
 def test_paged_attention_bench_dry_run(tmp_path, capsys):
     tunings = '[{"block_kv": 64, "num_splits": 2}]'
-    argv = ["--dry-run", "--out", str(tmp_path), "--tunings", tunings, "--tuning-shapes", "[[1, 40, 8]]"]
+    argv = ["--dry-run", "--out", str(tmp_path), "--tunings", tunings, "--tuning-shapes", "[[1, 40, 8]]",
+            "--heads", "8", "1", "64"]  # one KV head of a group of 8 (the dry run's own plan: 8 / 2)
     assert paged_attention.main(argv) == 0
     results = json.loads((tmp_path / "bench_paged_attention.json").read_text())
     assert results["skipped"] == [] and results["ceilings"]["copy_tbps"] > 0
@@ -28,6 +29,7 @@ def test_paged_attention_bench_dry_run(tmp_path, capsys):
             assert ("xla" in r) == (section != "tuning")  # the XLA path at the first page size, untuned rows
             assert section == "tuning" or r["xla_err"] < 1e-5
     assert results["tuning"][0]["tuning"] == {"block_kv": 64, "num_splits": 2}
+    assert results["plan"]["heads"] == [8, 1, 64]
     assert "paged us" in capsys.readouterr().out
 
 

@@ -3,9 +3,9 @@
 The fused add + RMSNorm against XLA's in every dtype the API offers (bfloat16, float16, float32). The paged
 attention kernel's own checks are tests/test_ragged_paged_attention.py's GPU cases.
 Then the engine at a Qwen3-1.7B shape and at a 6-layer Qwen3-30B-A3B one (random weights): in float32 the
-Pallas kernels give XLA's tokens, spec and spec-off alike; in every dtype speculation runs at batch 8 (the
-ragged paged kernel in 16-bit), and the rate at which 16-bit speculative output agrees with spec-off output is
-printed (it can differ at near-ties: README).
+Pallas kernels are to give XLA's tokens, spec and spec-off alike (the MoE check failed on its one H200 run); in
+every dtype speculation runs at batch 8 (the ragged paged kernel in 16-bit), and the rate at which 16-bit
+speculative output agrees with spec-off output is printed (it can differ at near-ties: README).
 """
 
 from __future__ import annotations
@@ -80,13 +80,18 @@ def test_float32_engine_pallas_equals_xla():
 
 def test_float32_moe_engine_pallas_equals_xla():
     """A Qwen3-MoE target at Qwen3-30B-A3B's widths cut to 6 layers (128 experts, 8 a token; random weights) in
-    float32: the Pallas kernels (the router's top-k and the routed experts in their kernels, paged attention)
-    give XLA's tokens (ranks and the gathered or grouped experts), spec and spec-off alike."""
+    float32: the Pallas kernels (the router's top-k and the routed experts in their kernels; attention takes the
+    XLA path in float32) give XLA's tokens (ranks and the gathered or grouped experts), spec and spec-off alike.
+    It failed once on the H200 with its report lost (BENCHMARKS.md, table (f)); the message names the first
+    difference."""
     models = presets.moe_pair(vocab=151936, hidden=2048, layers=6, heads=32, kv_heads=4, head_dim=128, experts=128,
                               top_k=8, moe_intermediate=768, draft_intermediate=6144, draft_vocab=32000)
     target, drafter = inputs.random_models(models, jnp.float32)
     for d in (None, drafter):
-        assert _generate(target, d, "pallas") == _generate(target, d, "xla")
+        pallas, xla = _generate(target, d, "pallas"), _generate(target, d, "xla")
+        differ = [(row, next(i for i, (a, b) in enumerate(zip(x, y)) if a != b)) for row, (x, y)
+                  in enumerate(zip(pallas, xla)) if x != y]
+        assert not differ, f"{'spec' if d else 'spec-off'}: (row, first differing token) {differ}"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -108,15 +108,19 @@ def test_router_kernel_matches_softmax_and_lax_top_k(M, E, k):
 
 
 def test_router_kernel_refusals_and_its_choice():
-    """The router kernel refuses what it cannot take, naming it; moe_mlp routes through it exactly where the
-    routed experts may take their Pallas kernel and it takes the rows."""
+    """The router kernel refuses what it cannot take, naming it; moe_mlp routes through it with the Pallas kernels
+    at the token counts the routed-expert kernel takes (KERNEL_MAX_TOKENS), by ranks otherwise."""
     with pytest.raises(ValueError, match="65 rows"):
         pallas_kernels.route_top_k(jnp.zeros((65, 8)), k=2, normalize=True, out_dtype=jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="top 9 of 8 experts"):
         pallas_kernels.route_top_k(jnp.zeros((1, 8)), k=9, normalize=True, out_dtype=jnp.float32, interpret=True)
+    nan = jnp.full((2, 6), jnp.nan).at[1, 2].set(1.0)  # a row of NaN logits (an overflowed step), one NaN entry
+    _, ids = pallas_kernels.route_top_k(nan, k=3, normalize=True, out_dtype=jnp.float32, interpret=True)
+    assert ((0 <= np.asarray(ids)) & (np.asarray(ids) < 6)).all()  # never an expert past the weights
     cfg = MoeConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                     decoder_sparse_step=1, mlp_only_layers=())
-    assert [moe.choose_router(t, cfg, "pallas") for t in (1, 64, 65)] == ["kernel", "kernel", "rank"]
+    assert [moe.choose_router(t, cfg, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)] == \
+        ["kernel", "kernel", "rank"]
     assert [moe.choose_router(1, cfg, kernels) for kernels in ("xla", "exact")] == ["rank", "rank"]
 
 

@@ -145,6 +145,32 @@ def test_a_uniform_batch_merges_its_splits_statically(q_len, G):
         ragged_paged_attention(*padded, scale=0.125, max_q_len=q_len, uniform=True, interpret=True)
 
 
+def test_the_static_merge_equals_the_lookups_and_reads_only_real_rows():
+    """merge_splits on random partials, a uniform batch (3 sequences of 5 queries, a group of 4, two tiles of 4 tokens
+    each) with NaN in every row no token owns: the static merge is the looked-up one bit for bit and reads no NaN;
+    and only Layout.uniform marks its attention group uniform (a chunk after it stays ragged)."""
+    from pallas_kernels.ragged_paged_attention import ROWS, merge_splits
+
+    S, q_len, G, K, H, tq, tiles, splits = 3, 5, 4, 2, 8, 4, 2, 3
+    rng = np.random.default_rng(0)
+    part = np.full((splits, S * tiles, K, ROWS, H), np.nan, np.float32)
+    lse = np.full((splits, S * tiles, K, ROWS), np.nan, np.float32)
+    for s in range(S):
+        for j in range(q_len):
+            work, rows = s * tiles + j // tq, slice((j % tq) * G, (j % tq + 1) * G)
+            part[:, work, :, rows] = rng.standard_normal((splits, K, G, H))
+            lse[:, work, :, rows] = rng.standard_normal((splits, K, G))
+    cu = jnp.arange(S + 1, dtype=jnp.int32) * q_len
+    args = (jnp.asarray(part), jnp.asarray(lse), cu, S * q_len)
+    static = merge_splits(*args, tiles=tiles, group=G, tq=tq, uniform=True)
+    assert np.isfinite(np.asarray(static)).all()
+    np.testing.assert_array_equal(np.asarray(static), np.asarray(merge_splits(*args, tiles=tiles, group=G, tq=tq)))
+    table, start = jnp.zeros((S, 4), jnp.int32), jnp.full((S,), 7, jnp.int32)
+    uniform = kv_cache.Layout.uniform(table, start, q_len)
+    mixed = uniform.then(kv_cache.Layout.ragged(table, start, cu, S * q_len))
+    assert [g.uniform for g in mixed.groups] == [True, False]
+
+
 def test_token_positions_and_write_pages_match_a_dense_cache():
     """New K/V written into shuffled pages equal the same entries set in a dense cache per sequence, read back
     through the page table; tokens of no sequence, positions past the table and page ids outside the pool write

@@ -56,7 +56,8 @@ def fused_in_pallas(kernels: str) -> bool:
 
 
 def experts_in_pallas(kernels: str) -> bool:
-    """Whether a Qwen3-MoE layer's routed experts may take pallas_kernels.moe_experts (models/moe.py)."""
+    """Whether a Qwen3-MoE layer's routed experts may take pallas_kernels.moe_experts, and its router's top-k
+    pallas_kernels.route_top_k (models/moe.py)."""
     return _known(kernels) == "pallas"
 
 

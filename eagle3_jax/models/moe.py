@@ -69,11 +69,12 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
 
 
 def choose_router(tokens: int, cfg: MoeConfig, kernels: str) -> str:
-    """How a step of `tokens` rows finds its top k (route's select): the router kernel wherever the routed experts
-    may take their Pallas kernel and it takes the shapes (an H200 measured XLA's softmax and top-k at five to six
-    small fusions, about 10 us a layer: pallas_kernels/moe_router.py), else top_k_ranked."""
-    if kernels_lib.experts_in_pallas(kernels) and not pallas_kernels.route_top_k_unsupported(
-            tokens, cfg.num_experts, cfg.num_experts_per_tok):
+    """How a step of `tokens` rows finds its top k (route's select): the router kernel where the routed experts may
+    take their Pallas kernel (at most KERNEL_MAX_TOKENS rows, the counts measured with it) and it takes the shapes
+    (an H200 measured XLA's softmax and top-k at six small fusions, about 11 us a layer: pallas_kernels/moe_router.py),
+    else top_k_ranked."""
+    if kernels_lib.experts_in_pallas(kernels) and tokens <= KERNEL_MAX_TOKENS and not \
+            pallas_kernels.route_top_k_unsupported(tokens, cfg.num_experts, cfg.num_experts_per_tok):
         return "kernel"
     return "rank"
 
