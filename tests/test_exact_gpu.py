@@ -99,14 +99,16 @@ def test_exact_verify_equals_one_token_steps_at_qwen3_8b_shapes():
     def step(tokens, cache):
         return bench_exact.jit_verify(params, tokens, cache, cfg=cfg, capture=capture, kernels="exact")
 
-    _, (row_logits, _) = step(tokens[2:3], jax.tree.map(lambda x: x[2:3], cache))
+    # Row 2 alone: its page-table row over a copy of the pool (the step donates its cache).
+    alone = dataclasses.replace(jax.tree.map(jnp.copy, cache), table=cache.table[2:3], lengths=cache.lengths[2:3])
+    _, (row_logits, _) = step(tokens[2:3], alone)
     verify_cache, (verify_logits, _) = step(tokens, jax.tree.map(jnp.copy, cache))
     np.testing.assert_array_equal(bits(row_logits[0]), bits(verify_logits[2]))
     for t in range(4):
         cache, (logits, _) = step(tokens[:, t:t + 1], cache)
         np.testing.assert_array_equal(bits(logits[:, 0]), bits(verify_logits[:, t]))
         cache = cache.with_lengths(cache.lengths + 1)
-    for mine, theirs in zip(cache.k + cache.v, verify_cache.k + verify_cache.v):
+    for mine, theirs in zip(cache.pages.k + cache.pages.v, verify_cache.pages.k + verify_cache.pages.v):
         np.testing.assert_array_equal(bits(mine), bits(theirs))
 
 

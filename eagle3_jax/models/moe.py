@@ -86,6 +86,11 @@ def top_k_ranked(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     GPU sort of 128 entries is a launch of its own (an H200 measured the router's sort at 3.2 us a layer)."""
     E = values.shape[-1]
     index = jnp.arange(E)
+    # The ranks are a permutation only if every comparison sees the same bits of an entry. Unbarred, XLA on a
+    # GPU fused the softmax into the comparisons and recomputed it there with bits that disagreed: on an H200
+    # two entries shared a rank at 8 and 32 rows (one weight doubled, one zero). The barrier materialises
+    # `values` once.
+    values = jax.lax.optimization_barrier(values)
     a, b = values[:, :, None], values[:, None, :]  # [M, e, j]: entry e against entry j
     ahead = (b > a) | ((b == a) & (index[None, None, :] < index[None, :, None]))
     rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)  # [M, E], a permutation of 0 .. E-1
