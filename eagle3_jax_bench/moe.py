@@ -15,9 +15,11 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   then the other paths and the kernel's other tunings at 8, 64 and 1 (_expert_paths' order), on random
   routing and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
   distinct experts' bytes and the routers' over the copy rate.
-`--experts-only` runs one decoder layer's ops (moe_layer.py) and the experts section on the MoE layers
-alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only), each decode step
-with a profiler trace of its kernels (trace).
+* chunks: the same layers at prefill-chunk widths (2048, 256) through XLA's grouped GEMMs and the tiled
+  batched GEMMs at several tiles; floors by bytes and by FLOPs (the matmul rate measured in the run).
+`--experts-only` runs one decoder layer's ops (moe_layer.py), the chunk section and the experts section on
+the MoE layers alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only),
+each decode step with a profiler trace of its kernels (trace).
 On the CPU it runs the same code at tiny shapes (a smoke test).
 """
 
@@ -52,6 +54,7 @@ class MoePlan:
     ffn_layers: int  # MoE layers in the experts section
     ffn_tokens: tuple[int, ...]  # the kernel's token counts there (its defaults), in the order they are timed
     others_tokens: tuple[int, ...] | None = None  # the other paths' and tunings' (None: ffn_tokens)
+    chunk_tokens: tuple[int, ...] = ()  # prefill-chunk widths for the chunk section's XLA paths
 
 
 def qwen3_30b_a3b_plan() -> MoePlan:
@@ -60,13 +63,15 @@ def qwen3_30b_a3b_plan() -> MoePlan:
     # The other paths and tunings at 8 tokens (batch 8 decode), 64 (past the kernel's threshold) and 1 (batch 1
     # decode) only: an H200 timed the paths at 1 to 32 (models/moe.py's docstring), tokamax compiles for 13 to
     # 20 s a count, and the budget is one call's.
-    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64, 1))
+    # Chunks: 2048 is the GPU's default prefill_chunk, 256 a small one.
+    return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64, 1),
+                   chunk_tokens=(2048, 256))
 
 
 def tiny_plan() -> MoePlan:
     base = dense.Plan(*presets.pair("tiny-moe"), batches=(1,), kv_lengths=(32,), spec_batches=(1,), spec_kv_length=32,
                       gammas=(1, 2), reps=2, inner=2, copy_bytes=1 << 20, matmul_n=128)
-    return MoePlan(base, ffn_layers=2, ffn_tokens=(1, 3))
+    return MoePlan(base, ffn_layers=2, ffn_tokens=(1, 3), chunk_tokens=(40,))
 
 
 def synthetic_routing(kind: str, layers: int, rows: int, tokens: int, experts: int, top_k: int,
@@ -240,18 +245,56 @@ def experts(run: Run, s: dense.Setup, plan: MoePlan, routings: tuple[str, ...]) 
     del swapped
 
 
+CHUNK_TILES = (32, 64, 128, 256)  # experts_tiled's other tiles, timed after its default (tile_rows)
+
+
+def chunk_paths() -> dict:
+    """{name: path} for a prefill chunk (past moe.GATHER_MAX_TOKENS, where XLA's paths run): lax.ragged_dot's
+    grouped GEMMs, then the tiled batched GEMMs at tile_rows' tile and at CHUNK_TILES."""
+    tiled = {f"tiled_{t}": functools.partial(moe.experts_tiled, tile=t) for t in CHUNK_TILES}
+    return {"grouped": moe.experts_grouped, "tiled": moe.experts_tiled, **tiled}
+
+
+def chunks(run: Run, s: dense.Setup, plan: MoePlan, matmul_tflops: float) -> None:
+    """The MoE layers alone at prefill-chunk widths (plan.chunk_tokens), random routing, each path of
+    chunk_paths compiled once. Two floors: the distinct experts' bytes over the copy rate (the row's ratio),
+    and the routed pairs' FLOPs (2 x 3 D I each) over the matmul rate measured in the same run."""
+    cfg = s.plan.target
+    layers = [s.tparams["layers"][i] for i in range(cfg.num_layers) if cfg.is_sparse(i)][: plan.ffn_layers]
+    itemsize, E, k = jnp.dtype(s.dtype).itemsize, cfg.moe.num_experts, cfg.moe.num_experts_per_tok
+    for tokens in plan.chunk_tokens:
+        routed = synthetic_routing("random", len(layers), 1, tokens, E, k, seed=tokens)
+        weights = jnp.full((len(layers), tokens, k), 1.0 / k, s.dtype)
+        flops = 2 * tokens * k * 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size * len(layers)
+        read = int(distinct_per_layer(routed).sum()) * expert_bytes(cfg, itemsize)
+        for name, path in chunk_paths().items():
+            if not run.time_left(f"chunks t{tokens} {name}"):
+                return
+            x = normal(jax.random.key(tokens), (tokens, cfg.hidden_size), s.dtype)
+            step = steps.jit_step(_ffn_stack, 4, path=path)
+            compiled, compile_s = compile_timed(step, layers, jnp.asarray(routed), weights, x)
+            seconds, x = time_chain(compiled, x, (layers, jnp.asarray(routed), weights), s.plan.reps, s.plan.inner)
+            compute_floor = flops / (matmul_tflops * 1e12)
+            tile = moe.tile_rows(tokens * k, E) if name == "tiled" else getattr(path, "keywords", {}).get("tile")
+            entry = {"tokens": tokens, "path": name, "layers": len(layers), "tile": tile,
+                     "compute_floor_ms": compute_floor * 1e3, "x_compute_floor": seconds / compute_floor}
+            run.row("chunks", entry, seconds, read, compile_s)
+
+
 def experts_only(run: Run, plan: MoePlan, kernels: str, dtype, routing_first: str) -> dict:
-    """`--experts-only`: the ceilings, one decoder layer's ops at batch 1 (moe_layer.py), then the experts
-    section, on random weights for the plan's MoE layers only (not the whole target: minutes less to build)."""
+    """`--experts-only`: the ceilings, one decoder layer's ops at batch 1 (moe_layer.py), the chunk section,
+    then the experts section, on random weights for the plan's MoE layers only (not the whole target: minutes
+    less to build)."""
     base = plan.base
     target = dataclasses.replace(base.target, num_layers=plan.ffn_layers)
     s = dense.setup(run, dataclasses.replace(base, target=target), (kernels,), dtype)
     run.results["routing_used"] = {"experts_section_first": routing_first}
     tokamax, why_not = _import_tokamax()
     run.results["tokamax"] = {"version": getattr(tokamax, "__version__", None), "not_imported": why_not}
-    run.ceilings(base.copy_bytes, None)
+    found = run.ceilings(base.copy_bytes, base.matmul_n)
     sparse = [i for i in range(target.num_layers) if target.is_sparse(i)]
     moe_layer.layer_ops(run, s.tparams, target, sparse, kernels, base.reps, base.inner)
+    chunks(run, s, plan, found["matmul_tflops"])
     experts(run, s, plan, (routing_first,) + tuple(r for r in ROUTINGS if r != routing_first))
     return run.results
 

@@ -221,9 +221,9 @@ def test_moe_bench_steps_only(tmp_path, monkeypatch):
 
 
 def test_moe_bench_experts_only(tmp_path, monkeypatch):
-    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes: one decoder layer's ops and every expert
-    path (the kernel at one token, the others at two), each against its floor; the op rows' bytes add up to
-    the layer's."""
+    """`bench --model qwen3-30b-a3b --experts-only` at tiny shapes: one decoder layer's ops, every expert
+    path (the kernel at one token, the others at two) and the chunk section's paths at 40 tokens, each against
+    its floor; the op rows' bytes add up to the layer's."""
     import dataclasses
 
     plan = dataclasses.replace(moe.tiny_plan(), ffn_tokens=(1,), others_tokens=(2,))
@@ -244,6 +244,10 @@ def test_moe_bench_experts_only(tmp_path, monkeypatch):
     paths = {(r["path"], r["tokens"]) for r in results["experts"] if r["routing"] == "random"}
     assert paths == {("kernel", 1), ("gathered", 2), ("grouped", 2), ("grouped_in_out", 2)}
     assert all(r["ratio"] > 0 for r in results["experts"])
+    chunk_rows = {(r["path"], r["tokens"], r["tile"]): r for r in results["chunks"]}
+    tiles = {("tiled", 40, moe.moe.tile_rows(40 * cfg.moe.num_experts_per_tok, cfg.moe.num_experts))}
+    assert set(chunk_rows) == {("grouped", 40, None)} | tiles | {(f"tiled_{t}", 40, t) for t in moe.CHUNK_TILES}
+    assert all(r["ratio"] > 0 and r["x_compute_floor"] > 0 for r in chunk_rows.values())
     # The kernel's tunings are timed on the GPU only: each lowers to Triton here at the benchmark's shapes
     # (hidden 2048, moe_intermediate 768, 128 experts) for 1 row (8 slots) and 64 rows (128 slots).
     import jax

@@ -370,6 +370,27 @@ def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
     assert rel_err(got, moe.experts_gathered(low[0], low[1], ids, low[2], low[3])) < 2e-2
 
 
+@pytest.mark.parametrize("M,E,D,Ie,top_k,tile", [(40, 16, 24, 20, 4, None), (33, 128, 16, 12, 8, 2),
+                                                 (9, 6, 40, 24, 3, 16)])
+def test_tiled_path_matches_the_dense_reference(M, E, D, Ie, top_k, tile):
+    """experts_tiled in float32 against the dense reference: past the 32 tokens where the grouped path
+    takes over, top-8 of 128 experts (most experts hold one or two pairs, so nearly every tile is padded)
+    with 2-row tiles (an expert spread over several tiles), and tiles wider than any expert's run. A skewed
+    routing (every token to the same experts) puts a whole run into consecutive tiles of one expert."""
+    x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
+    tiled = jax.jit(moe.experts_tiled, static_argnums=5)
+    assert rel_err(tiled(x, weights, ids, w_gate_up, w_down, tile),
+                   moe.moe_reference(x, weights, ids, w_gate_up, w_down)) < 1e-5
+    skewed = jnp.broadcast_to(jnp.arange(top_k, dtype=ids.dtype), ids.shape)
+    assert rel_err(tiled(x, weights, skewed, w_gate_up, w_down, tile),
+                   moe.moe_reference(x, weights, skewed, w_gate_up, w_down)) < 1e-5
+
+
+def test_tile_rows_is_the_mean_group_as_a_clamped_power_of_two():
+    assert [moe.tile_rows(p, 128) for p in (8, 128 * 20, 128 * 33, 2048 * 8)] == [16, 32, 64, 128]
+    assert moe.tile_rows(40 * 4, 16) == 16  # a mean of 10 pairs an expert
+
+
 def test_expert_kernel_refusals_and_the_path_choice(caplog):
     """Shapes and dtypes the kernel cannot take raise ValueError naming them; moe_mlp's choice takes the
     kernel only with the Pallas kernels and few rows, and falls back (logged once) where the kernel refuses."""

@@ -184,7 +184,48 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
     return jnp.zeros_like(x).at[token].add(y)
 
 
-PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel}
+def tile_rows(pairs: int, num_experts: int) -> int:
+    """A tile's rows for experts_tiled: the mean group size (pairs over experts) as a power of two in
+    [16, 128]. Then the tiles hold at most 2 x pairs rows (compute) and about 2 x E tiles (weights read)."""
+    mean = -(-pairs // num_experts)
+    return min(128, max(16, 1 << (mean - 1).bit_length()))
+
+
+def experts_tiled(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
+                  w_down: jax.Array, tile: int | None = None) -> jax.Array:
+    """x [M, D], routing [M, k] -> [M, D] by batched GEMMs over tiles of `tile` rows, each tile one expert's.
+
+    The (token, choice) pairs are sorted by expert and each expert's run is padded to whole tiles, so tile
+    n multiplies its rows by one expert's weights (gathered per tile: an expert of g pairs is read
+    ceil(g / tile) times). The tile count is a static bound, (M k + min(E, M k) (tile - 1)) // tile; tiles
+    past the used ones gather zeros (mode="fill") and their rows are never read. Each token's k results are
+    gathered back and summed in choice order: no scatter-add, so the sum's order is fixed. tile: None takes
+    tile_rows (the benchmark times others)."""
+    M, k = ids.shape
+    E, D = w_gate_up.shape[0], x.shape[1]
+    pairs = M * k
+    tile = tile_rows(pairs, E) if tile is None else tile
+    tiles = (pairs + min(E, pairs) * (tile - 1)) // tile
+    flat = ids.reshape(-1)  # pair p = token p // k, choice p % k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # pairs per expert
+    tile_end = jnp.cumsum((sizes + tile - 1) // tile)  # [E]: one past each expert's last tile
+    first_row = (tile_end - (sizes + tile - 1) // tile) * tile  # [E]: each expert's first row
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    expert = flat[order]
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its expert
+    row = jnp.zeros(pairs, jnp.int32).at[order].set(first_row[expert] + rank)  # each pair's row
+    token_of_row = jnp.full(tiles * tile, M, jnp.int32).at[row].set(jnp.arange(pairs, dtype=jnp.int32) // k)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(tiles), side="right")  # E past the used tiles
+    xs = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[token_of_row].reshape(tiles, tile, D)
+    gate_up = jnp.take(w_gate_up, tile_expert, axis=0, mode="fill", fill_value=0)  # [tiles, 2I, D]
+    down = jnp.take(w_down, tile_expert, axis=0, mode="fill", fill_value=0)  # [tiles, D, I]
+    h = _swiglu(jnp.einsum("ntd,nod->nto", xs, gate_up))
+    y = jnp.einsum("nti,ndi->ntd", h, down).reshape(tiles * tile, D)
+    return jnp.einsum("mk,mkd->md", weights, y[row].reshape(M, k, D))
+
+
+PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": experts_kernel,
+         "tiled": experts_tiled}
 
 
 def choose_path(tokens: int, dtype, kernels: str) -> str:
