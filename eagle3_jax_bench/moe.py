@@ -15,7 +15,7 @@ Random bf16 weights at Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 / 4 he
   then the other paths and the kernel's other tunings at 8, 64 and 1 (_expert_paths' order), on random
   routing and on synthetic local routing (`--routing` says which is timed first; both are measured). Floor: the
   distinct experts' bytes and the routers' over the copy rate.
-* chunks: the same layers at prefill-chunk widths (2048, 256) through XLA's grouped GEMMs and the tiled
+* chunks: the same layers at prefill-chunk widths (2048, 256, 64) through XLA's grouped GEMMs and the tiled
   batched GEMMs at several tiles; floors by bytes and by FLOPs (the matmul rate measured in the run).
 `--experts-only` runs one decoder layer's ops (moe_layer.py), the chunk section and the experts section on
 the MoE layers alone; `--steps-only` the routing and the whole target's decode and verify steps (steps_only),
@@ -65,7 +65,7 @@ def qwen3_30b_a3b_plan() -> MoePlan:
     # 20 s a count, and the budget is one call's.
     # Chunks: 2048 is the GPU's default prefill_chunk, 256 a small one.
     return MoePlan(base, ffn_layers=8, ffn_tokens=(1, 2, 4, 8, 16, 32, 64), others_tokens=(8, 64, 1),
-                   chunk_tokens=(2048, 256))
+                   chunk_tokens=(2048, 256, 64))
 
 
 def tiny_plan() -> MoePlan:

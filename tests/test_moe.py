@@ -46,7 +46,7 @@ def rel_err(ours, ref):
 def test_expert_paths_match_the_dense_reference():
     """Every path on 5 tokens x 3 choices over 8 experts: experts shared by several tokens, and some
     chosen by none (the padded slots of the gathered path and the kernel). Through the target, the golden
-    tests below run the gathered path (at most GATHER_MAX_TOKENS a step: decode and their short prefills),
+    tests below run the gathered path at decode and the tiled path at prefill (past GATHER_MAX_TOKENS),
     test_kernel_path_decode_matches_transformers the kernel at decode and the grouped path at prefill. D 16
     and I 12 are below the kernel's 16-wide blocks: its masked loads cover them."""
     E, D, Ie, tokens, top_k = 8, 16, 12, 5, 3
@@ -193,11 +193,13 @@ def decode_steps(forward, params, cfg, cache) -> list[np.ndarray]:
 
 
 def test_prefill_decode_and_features_match_transformers(case):
-    """Prefill (9 x 3 tokens: the grouped path) and decode steps (3 tokens: the gathered path)."""
+    """Prefill (3 rows x 12 = 36 tokens, past GATHER_MAX_TOKENS: the tiled path, prefill's default) and
+    decode steps (3 tokens: the gathered path)."""
     name, model, _, tgt = case
     cfg = tgt.config
     capture = cfg.default_capture_layers
-    tokens, lengths = padded(PROMPTS)
+    tokens, lengths = padded(PROMPTS, width=12)
+    assert tokens.size > moe.GATHER_MAX_TOKENS
     cache = target_lib.new_row_cache(cfg, len(PROMPTS), 32, jnp.float32)
     hidden, cache, feats = forward(tgt.params, cfg, tokens, cache, capture)
     logits = target_lib.logits(tgt.params, hidden)
@@ -373,10 +375,10 @@ def test_expert_kernel_matches_the_gathered_path(M, E, D, Ie, top_k):
 @pytest.mark.parametrize("M,E,D,Ie,top_k,tile", [(40, 16, 24, 20, 4, None), (33, 128, 16, 12, 8, 2),
                                                  (9, 6, 40, 24, 3, 16)])
 def test_tiled_path_matches_the_dense_reference(M, E, D, Ie, top_k, tile):
-    """experts_tiled in float32 against the dense reference: past the 32 tokens where the grouped path
-    takes over, top-8 of 128 experts (most experts hold one or two pairs, so nearly every tile is padded)
-    with 2-row tiles (an expert spread over several tiles), and tiles wider than any expert's run. A skewed
-    routing (every token to the same experts) puts a whole run into consecutive tiles of one expert."""
+    """experts_tiled in float32 against the dense reference: past the 32 tokens where it takes over,
+    top-8 of 128 experts (most experts hold one or two pairs, so nearly every tile is padded) with 2-row
+    tiles (an expert spread over several tiles), and tiles wider than any expert's run. A skewed routing
+    (every token to the same experts) puts a whole run into consecutive tiles of one expert."""
     x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
     tiled = jax.jit(moe.experts_tiled, static_argnums=5)
     assert rel_err(tiled(x, weights, ids, w_gate_up, w_down, tile),
@@ -386,9 +388,9 @@ def test_tiled_path_matches_the_dense_reference(M, E, D, Ie, top_k, tile):
                    moe.moe_reference(x, weights, skewed, w_gate_up, w_down)) < 1e-5
 
 
-def test_tile_rows_is_the_mean_group_as_a_clamped_power_of_two():
-    assert [moe.tile_rows(p, 128) for p in (8, 128 * 20, 128 * 33, 2048 * 8)] == [16, 32, 64, 128]
-    assert moe.tile_rows(40 * 4, 16) == 16  # a mean of 10 pairs an expert
+def test_tile_rows_is_twice_the_mean_group_as_a_clamped_power_of_two():
+    assert [moe.tile_rows(p, 128) for p in (8, 256 * 8, 2048 * 8, 2048 * 64)] == [128, 128, 256, 256]
+    assert moe.tile_rows(40 * 4, 16) == 128  # a mean of 10 pairs an expert
 
 
 def test_expert_kernel_refusals_and_the_path_choice(caplog):
@@ -410,9 +412,9 @@ def test_expert_kernel_refusals_and_the_path_choice(caplog):
         pallas_kernels.moe_experts(x[:4], combine.T[:, :4], slots, count, w_gate_up.astype(jnp.bfloat16),
                                    w_down.astype(jnp.bfloat16), interpret=True)
     xla = [moe.choose_path(t, jnp.float32, "xla") for t in (1, moe.GATHER_MAX_TOKENS, moe.GATHER_MAX_TOKENS + 1)]
-    assert xla == ["gathered", "gathered", "grouped"]
+    assert xla == ["gathered", "gathered", "tiled"]
     pallas = [moe.choose_path(t, jnp.bfloat16, "pallas") for t in (1, moe.KERNEL_MAX_TOKENS, moe.KERNEL_MAX_TOKENS + 1)]
-    assert pallas == ["kernel", "kernel", "grouped"]
+    assert pallas == ["kernel", "kernel", "tiled"]
     assert moe.choose_path(2, jnp.float32, "exact") == "gathered"
     with caplog.at_level("WARNING"):
         assert moe.choose_path(2, jnp.int8, "pallas") == "gathered"
@@ -439,7 +441,8 @@ def test_expert_kernel_lowers_for_cuda_at_qwen3_30b_a3b_shapes():
 
 def test_kernel_path_decode_matches_transformers(case, monkeypatch):
     """Decode steps (3 rows) through the router kernel and the expert kernel (interpreted) against transformers'
-    logits, and greedy tokens alike; prefill stays on the grouped path and routes by ranks."""
+    logits, and greedy tokens alike; prefill is forced onto the grouped path (the golden test above runs the
+    tiled one) and routes by ranks."""
     name, model, _, tgt = case
     cfg = tgt.config
     monkeypatch.setattr(moe, "choose_path", lambda tokens, dtype, kernels: "kernel" if tokens <= 16 else "grouped")

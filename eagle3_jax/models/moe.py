@@ -3,15 +3,19 @@
 Parameters of a sparse layer (transformers 5's fused layout, weights [out, in]):
     router [E, D], w_gate_up [E, 2I, D] (gate rows first, then up), w_down [E, D, I].
 
-Three ways to run the experts, each reading only the experts some token was routed to, each once per
-step, and never computing all E experts:
+Four ways to run the experts, each reading only the experts some token was routed to and never computing
+all E experts:
   * `experts_gathered` (few tokens): the distinct routed experts (at most min(M k, E)) are gathered once
     and every token is run through each of them; the combine weights are zero where a token did not
     choose the expert. Wasted FLOPs are M x (slots) rows of a matvec: free while the step is memory bound.
-  * `experts_grouped` (many tokens): the (token, choice) pairs sorted by expert, then two grouped GEMMs
-    (`lax.ragged_dot_general`), each group multiplied by its expert's weights only. How much of the
-    weights a grouped GEMM streams is its lowering's business: on the stored [E, out, in] layout XLA's
-    costs about what reading every expert does, whatever the token count (figures below).
+  * `experts_tiled` (many tokens: prefill chunks): the (token, choice) pairs sorted by expert into tiles
+    of one expert each (tile_rows), the tiles' weights gathered, then batched GEMMs over the tiles. It pays
+    a gathered copy of about pairs / tile + E experts and up to E x tile padded rows; it needs no
+    scatter-add.
+  * `experts_grouped`: the pairs sorted by expert, then two grouped GEMMs (`lax.ragged_dot_general`), each
+    group multiplied by its expert's weights only. How much of the weights a grouped GEMM streams is its
+    lowering's business: on the stored [E, out, in] layout XLA's costs about what reading every expert
+    does, whatever the token count (figures below). No default choice takes it; the benchmark compares it.
   * `experts_kernel` (few tokens, GPU): the gathered path's arithmetic in pallas_kernels.moe_experts,
     which streams each routed expert's weights once from where they are stored, with no gathered copy.
 `moe_mlp` picks one by the static token count M = B T and the kernels (`choose_path`). `moe_reference`
@@ -28,6 +32,15 @@ pays about 7.5 ms per 8 layers at any count). These counts cover a decode or ver
 4 tokens and hold no crossover, so both thresholds below are the largest count measured (64 tokens is timed
 by the bench's experts section). At 32 tokens the gathered copy is nearly every expert of a layer (about
 1.2 GB, transient, one layer at a time).
+
+Past 32 tokens (H200, jax 0.11.2, 2026-12-04; the same 8 layers, `--experts-only`'s chunks section, ms; tiled at
+tile_rows' tile, the best other tile in brackets):
+    tokens      64           256           2048
+    grouped   12.50         32.56         232.7
+    tiled     10.06 (9.77)  10.94 (10.91)  16.17 (16.21)
+So tiled runs past GATHER_MAX_TOKENS: a 2,048-token chunk of the whole target (48 layers) prefills in 0.136 s
+instead of 1.40 s. Its gathered weights are transient, one layer at a time: at 2,048 tokens 191 tiles of 9.4 MB
+(1.8 GB) on Qwen3-30B-A3B, 7.2 GB on Qwen3-235B-A22B's widths unsharded.
 """
 
 from __future__ import annotations
@@ -42,8 +55,8 @@ import pallas_kernels
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import MoeConfig
 
-# At most this many tokens per step take the gathered path with XLA's kernels, the grouped one past them
-# (gathered measured faster at 1 to 32 tokens: the table above).
+# At most this many tokens per step take the gathered path with XLA's kernels, the tiled one past them
+# (gathered measured faster at 1 to 32 tokens, tiled than grouped at 64 to 2,048: the tables above).
 GATHER_MAX_TOKENS = 32
 # With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (fastest at 1 to
 # 32 tokens: the table above; it takes up to 64 rows); past it the XLA path.
@@ -185,10 +198,12 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
 
 
 def tile_rows(pairs: int, num_experts: int) -> int:
-    """A tile's rows for experts_tiled: the mean group size (pairs over experts) as a power of two in
-    [16, 128]. Then the tiles hold at most 2 x pairs rows (compute) and about 2 x E tiles (weights read)."""
+    """A tile's rows for experts_tiled: twice the mean group size (pairs over experts) as a power of two in
+    [128, 256]. Wider tiles mean fewer tiles, so fewer gathered weights (about pairs / tile + E tiles) for
+    more padded rows (at most E x tile); on the H200 128 was fastest at 256 tokens and 256 at 2,048
+    (the module docstring's table)."""
     mean = -(-pairs // num_experts)
-    return min(128, max(16, 1 << (mean - 1).bit_length()))
+    return min(256, max(128, 1 << (2 * mean - 1).bit_length()))
 
 
 def experts_tiled(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up: jax.Array,
@@ -231,8 +246,8 @@ PATHS = {"gathered": experts_gathered, "grouped": experts_grouped, "kernel": exp
 def choose_path(tokens: int, dtype, kernels: str) -> str:
     """The expert path for a step of `tokens` rows: with the Pallas kernels (the GPU's), the expert kernel
     up to KERNEL_MAX_TOKENS rows where it takes the shapes, else (and with XLA's) gathered up to
-    GATHER_MAX_TOKENS, grouped past them. A kernel refusing a shape is logged once with the path taken."""
-    xla_path = "gathered" if tokens <= GATHER_MAX_TOKENS else "grouped"
+    GATHER_MAX_TOKENS, tiled past them. A kernel refusing a shape is logged once with the path taken."""
+    xla_path = "gathered" if tokens <= GATHER_MAX_TOKENS else "tiled"
     if not kernels_lib.experts_in_pallas(kernels) or tokens > KERNEL_MAX_TOKENS:
         return xla_path
     reason = pallas_kernels.moe_experts_unsupported(tokens, dtype)
