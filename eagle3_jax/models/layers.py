@@ -13,9 +13,9 @@ from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import RopeConfig
 
 # Whether Hopper takes the Mosaic GPU add + RMSNorm (pallas_kernels/add_rms_norm_mgpu.py) over the Triton one. Off:
-# on the H200 (jax 0.12) both take 1.34 us of kernel time at one row, but in a chain of 72 calls, as a Qwen3-8B
-# step runs them, a Mosaic GPU call costs 3.50 us against Triton's 2.46 (its custom call's overhead), about 75 us
-# of a 4.2 ms step (BENCHMARKS.md). The Mosaic GPU kernel is the one that takes over when Pallas drops Triton.
+# on the H200 (jax 0.12) both take 1.34 us of kernel time at one row, but with it on, the Qwen3-8B spec-off step
+# took 2.3% longer at batch 1 and 8 and the gamma-3 round 1.0-1.3% (round_ab, BENCHMARKS.md (s)): about 1.4 us more
+# a call over the step's 72. The Mosaic GPU kernel is the one that takes over when Pallas drops Triton.
 MOSAIC_NORM_ON_HOPPER = False
 
 
