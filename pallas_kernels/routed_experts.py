@@ -38,8 +38,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _common
 
-# Rows per call: a program holds every row's tile in registers / shared memory, and past this many rows a
-# grouped GEMM, which multiplies each expert by its own rows only, does less work.
+# Rows per call: a program holds every row's tile in registers / shared memory, and past this many rows the
+# tiled batched GEMMs (eagle3_jax.models.moe.experts_tiled), which multiply each expert by its own rows only,
+# do less work.
 MAX_ROWS = 64
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 

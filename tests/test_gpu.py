@@ -109,12 +109,12 @@ def test_tiled_prefill_path_matches_the_dense_reference_at_qwen3_30b_a3b_widths(
     """The prefill chunks' expert path (models/moe.py, experts_tiled at tile_rows' tile: 128 rows at 64 tokens,
     256 at 2,048) on one Qwen3-30B-A3B layer's widths, random routing, compiled: in float32 at IEEE products
     against every expert run densely, and in bfloat16 against XLA's grouped GEMMs."""
-    keys = jax.random.split(jax.random.key(M), 5)
+    keys = jax.random.split(jax.random.key(M), 4)
     E, D, Ie, k = 128, 2048, 768, 8
     x = jax.random.normal(keys[0], (M, D))
-    w_gate_up = jax.random.normal(keys[2], (E, 2 * Ie, D)) / np.sqrt(D)
-    w_down = jax.random.normal(keys[3], (E, D, Ie)) / np.sqrt(Ie)
-    weights, ids = moe.route(x, jax.random.normal(keys[4], (E, D)) / np.sqrt(D), k, True, "sort")
+    w_gate_up = jax.random.normal(keys[1], (E, 2 * Ie, D)) / np.sqrt(D)
+    w_down = jax.random.normal(keys[2], (E, D, Ie)) / np.sqrt(Ie)
+    weights, ids = moe.route(x, jax.random.normal(keys[3], (E, D)) / np.sqrt(D), k, True, "sort")
     with jax.default_matmul_precision("highest"):
         got = jax.jit(moe.experts_tiled)(x, weights, ids, w_gate_up, w_down)
         assert _rel_err(got, jax.jit(moe.moe_reference)(x, weights, ids, w_gate_up, w_down)) < 1e-5
@@ -125,11 +125,11 @@ def test_tiled_prefill_path_matches_the_dense_reference_at_qwen3_30b_a3b_widths(
 
 def test_float32_moe_engine_pallas_equals_xla():
     """A Qwen3-MoE target at Qwen3-30B-A3B's widths cut to 6 layers (128 experts, 8 a token; random weights) in
-    float32: the Pallas kernels (the router's top-k and the routed experts in their kernels; attention takes the
-    XLA path in float32) give XLA's tokens (ranks and the gathered or grouped experts), spec and spec-off alike.
-    Both at IEEE float32 products: the expert kernel's float32 dots are IEEE, while XLA's default on a GPU is
-    TF32, and at XLA's default the two differed from the first decoded token on (random router logits sit close
-    at the 8th and 9th expert). The message names the first difference."""
+    float32: the Pallas kernels (the router's top-k and the routed experts in their kernels; attention takes the XLA
+    path in float32) give XLA's tokens (ranks, the gathered experts at decode and the tiled ones at prefill), spec
+    and spec-off alike. Both at IEEE float32 products: the expert kernel's float32 dots are IEEE, while XLA's
+    default on a GPU is TF32, and at XLA's default the two differed from the first decoded token on (random router
+    logits sit close at the 8th and 9th expert). The message names the first difference."""
     models = presets.moe_pair(vocab=151936, hidden=2048, layers=6, heads=32, kv_heads=4, head_dim=128, experts=128,
                               top_k=8, moe_intermediate=768, draft_intermediate=6144, draft_vocab=32000)
     target, drafter = inputs.random_models(models, jnp.float32)

@@ -217,10 +217,11 @@ def test_prefill_decode_and_features_match_transformers(case):
 
 
 def test_greedy_output_matches_transformers(case):
-    """Greedy tokens of batch 3 (each step on the gathered path) against transformers' generate, through
-    the programs the logits test compiled (the engine's own loop is checked in test_moe_speculation)."""
+    """Greedy tokens of batch 3 (prefill on the tiled path, each step on the gathered path) against
+    transformers' generate, through the programs the logits test compiled (the engine's own loop is checked
+    in test_moe_speculation)."""
     name, model, _, tgt = case
-    tokens, lengths = padded(PROMPTS)
+    tokens, lengths = padded(PROMPTS, width=12)
     cache = target_lib.new_row_cache(tgt.config, len(PROMPTS), 32, jnp.float32)
     hidden, cache, _ = forward(tgt.params, tgt.config, tokens, cache, tgt.config.default_capture_layers)
     last = target_lib.logits(tgt.params, hidden)[jnp.arange(len(PROMPTS)), lengths - 1]
@@ -378,7 +379,8 @@ def test_tiled_path_matches_the_dense_reference(M, E, D, Ie, top_k, tile):
     """experts_tiled in float32 against the dense reference: past the 32 tokens where it takes over,
     top-8 of 128 experts (most experts hold one or two pairs, so nearly every tile is padded) with 2-row
     tiles (an expert spread over several tiles), and tiles wider than any expert's run. A skewed routing
-    (every token to the same experts) puts a whole run into consecutive tiles of one expert."""
+    (every token to the same experts) puts a whole run into consecutive tiles of one expert where a tile is
+    shorter than the run (the 2-row case); the last case has fewer pairs (27) than experts x tile."""
     x, weights, ids, w_gate_up, w_down = kernel_case(M, E, D, Ie, top_k, jnp.float32, seed=M)
     tiled = jax.jit(moe.experts_tiled, static_argnums=5)
     assert rel_err(tiled(x, weights, ids, w_gate_up, w_down, tile),
@@ -389,6 +391,9 @@ def test_tiled_path_matches_the_dense_reference(M, E, D, Ie, top_k, tile):
 
 
 def test_tile_rows_is_twice_the_mean_group_as_a_clamped_power_of_two():
+    """The tile doubles once the mean group passes 64 pairs (1,024 tokens x 8 of 128 experts), and stays in
+    [128, 256] below and above."""
+    assert moe.tile_rows(1024 * 8, 128) == 128 and moe.tile_rows(1032 * 8, 128) == 256
     assert [moe.tile_rows(p, 128) for p in (8, 256 * 8, 2048 * 8, 2048 * 64)] == [128, 128, 256, 256]
     assert moe.tile_rows(40 * 4, 16) == 128  # a mean of 10 pairs an expert
 

@@ -56,7 +56,9 @@ from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models.config import MoeConfig
 
 # At most this many tokens per step take the gathered path with XLA's kernels, the tiled one past them
-# (gathered measured faster at 1 to 32 tokens, tiled than grouped at 64 to 2,048: the tables above).
+# (gathered measured faster than grouped at 1 to 32 tokens, tiled than grouped at 64 to 2,048: the tables above;
+# gathered against tiled is not measured at 33 to 63). Every step past it takes tiled: prefill chunks, and
+# verify or mixed steps of more than 32 tokens.
 GATHER_MAX_TOKENS = 32
 # With the Pallas kernels, at most this many tokens per step take pallas_kernels.moe_experts (fastest at 1 to
 # 32 tokens: the table above; it takes up to 64 rows); past it the XLA path.
@@ -200,8 +202,8 @@ def experts_grouped(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate_up:
 def tile_rows(pairs: int, num_experts: int) -> int:
     """A tile's rows for experts_tiled: twice the mean group size (pairs over experts) as a power of two in
     [128, 256]. Wider tiles mean fewer tiles, so fewer gathered weights (about pairs / tile + E tiles) for
-    more padded rows (at most E x tile); on the H200 128 was fastest at 256 tokens and 256 at 2,048
-    (the module docstring's table)."""
+    more padded rows (at most E x tile). On the H200 it came within 3% of the best tile timed at 64, 256 and
+    2,048 tokens (the module docstring's table)."""
     mean = -(-pairs // num_experts)
     return min(256, max(128, 1 << (2 * mean - 1).bit_length()))
 
