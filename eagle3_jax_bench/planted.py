@@ -48,6 +48,7 @@ import numpy as np
 import eagle3_jax
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import spec_round
 
 from . import planted_world, presets
 from .core import Run, versions
@@ -129,11 +130,11 @@ def timed_generate(eng: eagle3_jax.Engine, prompts, new_tokens: int):
 def round_seconds(eng: eagle3_jax.Engine, plan: Plan, batch: int) -> tuple[float, int]:
     """(seconds per round, executables) of the engine's call of rounds as generate calls it (Engine.time_call:
     its executable, on its pages) at the run's mean KV length; the fastest of plan.reps. Executables: those the
-    jitted call of rounds gained meanwhile (0: the one generate ran; the timing's own small helpers aside)."""
-    before = engine_lib.jit_rounds._cache_size()
-    seconds = min(eng.time_call(batch, plan.prompt_len + plan.new_tokens // 2, eng.num_draft_tokens)
-                  for _ in range(plan.reps))
-    return seconds / eng.rounds_per_call, engine_lib.jit_rounds._cache_size() - before
+    call of rounds compiled meanwhile (0: the one generate ran; the timing's own small helpers aside)."""
+    with count_compilations(spec_round.spec_rounds.__name__) as rounds_compiled:
+        seconds = min(eng.time_call(batch, plan.prompt_len + plan.new_tokens // 2, eng.num_draft_tokens)
+                      for _ in range(plan.reps))
+    return seconds / eng.rounds_per_call, rounds_compiled.count
 
 
 def measure(run: Run, w: Worlds, plan: Plan, batch: int, gamma: int) -> None:

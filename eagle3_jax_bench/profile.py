@@ -116,7 +116,11 @@ def kernel_count(compiled) -> int:
 
 
 class count_compilations(contextlib.ContextDecorator):
-    """Counts XLA backend compilations inside a `with` block (JAX's own monitoring event, not timing)."""
+    """Counts XLA backend compilations inside a `with` block (JAX's own monitoring event, not timing); with
+    fun_name, only those of functions of that __name__ (the event's `fun_name` wraps it: "jit(name)")."""
+
+    def __init__(self, fun_name: str | None = None):
+        self.fun_name = fun_name
 
     def __enter__(self):
         self.count = 0
@@ -124,7 +128,7 @@ class count_compilations(contextlib.ContextDecorator):
         return self
 
     def _listen(self, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT:
+        if event == BACKEND_COMPILE_EVENT and self.fun_name in (None, _bare(kwargs.get("fun_name", ""))):
             self.count += 1
 
     def __exit__(self, *exc):
@@ -133,3 +137,9 @@ class count_compilations(contextlib.ContextDecorator):
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+def _bare(fun_name: str) -> str:
+    """A compilation event's function name without its transform: "jit(spec_rounds)" -> "spec_rounds"."""
+    head, _, inner = fun_name.partition("(")
+    return inner[:-1] if inner.endswith(")") and head.isidentifier() else fun_name

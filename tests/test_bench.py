@@ -76,18 +76,27 @@ def test_compare_reports_the_first_difference_and_its_margin(tmp_path):
 
 
 def test_count_compilations_counts_backend_compiles():
+    """Every compilation in the block, or with fun_name those of one function (planted's count of the call of
+    rounds' compilations beside the timing's own helpers)."""
     import jax
     import jax.numpy as jnp
 
-    f = jax.jit(lambda x: x * 3 + 1)
-    five, six = jnp.ones(5), jnp.ones(6)
+    def triple(x):
+        return x * 3 + 1
+
+    f, g = jax.jit(triple), jax.jit(lambda x: x - 1)
+    five, six, seven = jnp.ones(5), jnp.ones(6), jnp.ones(7)
     with profile.count_compilations() as first:
         f(five)
         f(five)  # cached
     with profile.count_compilations() as second:
         f(five)
         f(six)  # a new shape compiles
-    assert first.count == 1 and second.count == 1
+    with profile.count_compilations("triple") as named:
+        f(seven)
+        g(seven)  # another function: not counted
+        g(six)
+    assert first.count == 1 and second.count == 1 and named.count == 1
 
 
 def test_kernel_groups_sort_a_profile_by_kind():
