@@ -145,17 +145,17 @@ def test_a_failed_operation_leaves_no_cached_page_behind(world, donated):
     prompt = PREFIX + [9, 8, 7]
     engine = engine_of(target, None, 0, max_batch=1)
     engine.generate([PREFIX + [1, 2, 3]], 4)  # the prefix's five pages cached
-    real = engine._steps
+    real = engine.steps
 
     def failing(*args, **kwargs):
         if donated:
             real.rounds(*args, **kwargs)
         raise RuntimeError("a simulated failure")
 
-    engine._steps = dataclasses.replace(real, **{"rounds" if donated else "prefill": failing})
+    engine.steps = dataclasses.replace(real, **{"rounds" if donated else "prefill": failing})
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([PREFIX + tokens(6, 3) if donated else prompt], 8)
-    engine._steps = real
+    engine.steps = real
     (again,) = engine.generate([prompt], 8)
     assert again.cached_tokens == 0 and again.token_ids == alone(target, [prompt], 8)[0]
 

@@ -344,7 +344,7 @@ def test_each_request_takes_the_filter_its_settings_need(world):
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal="sample")
 
     def build(**settings):
-        return engine._build(engine.request(SIX[:3], 4, **settings))
+        return engine.build_for(engine.request(SIX[:3], 4, **settings))
 
     assert not build().sampling and build(temperature=0.7).filter == "radix"
     assert build(temperature=0.7, top_k=[0, 20, 20]).filter == "radix"

@@ -273,10 +273,10 @@ def test_a_mesh_samples_through_the_radix_search_whatever_the_settings(world):
     radix search on a mesh; a num_draft_tokens="auto" engine on a mesh is refused before anything is placed."""
     settings = dict(temperature=0.7, top_k=20)
     one = eagle3_jax.Engine(world["random2"], max_len=MAX_LEN)
-    assert one._build(one.request(PROMPTS, 4, **settings)).filter == "candidates"
+    assert one.build_for(one.request(PROMPTS, 4, **settings)).filter == "candidates"
     target = sharded_target(world, "random2", 4)
     engine = eagle3_jax.Engine(target, max_len=MAX_LEN)
-    assert engine._build(engine.request(PROMPTS, 4, **settings)).filter == "radix"
+    assert engine.build_for(engine.request(PROMPTS, 4, **settings)).filter == "radix"
     with pytest.raises(ValueError, match="num_draft_tokens='auto' runs on one device"):
         eagle3_jax.Engine(target, world["drafter"], num_draft_tokens="auto", max_len=MAX_LEN)
 
@@ -375,9 +375,9 @@ def test_no_step_moves_a_row_of_logits(tmp_path):
     # 12 chunk tokens beside 4 rows: the mixed forward's [1, 16, 48] all-reduce has no axis of 20 or 80
     engine = eagle3_jax.Engine(target, max_len=MAX_LEN, max_batch=4, prefill_chunk=12)
     spec = dataclasses.replace(engine.spec, sampling=True)
-    rows = engine._steps.empty(engine.spec, 4, engine.table_width, 8, jnp.float32)
+    rows = engine.steps.empty(engine.spec, 4, engine.table_width, 8, jnp.float32)
     state = spec_round.with_pages(rows, engine.page_pool.arrays)
-    chunk = engine._steps.put(live.device_chunk(live_plan.empty_chunk(12, engine.prefill_sequences,
+    chunk = engine.steps.put(live.device_chunk(live_plan.empty_chunk(12, engine.prefill_sequences,
                                                                       engine.table_width, 8, 4, alone=False)))
     prefill = jax.make_jaxpr(functools.partial(steps.jit_prefill, spec=spec, mesh=mesh))(target.params, None, state,
                                                                                          chunk)

@@ -120,7 +120,11 @@ class Engine:
     """Decoding of a Qwen3 target, greedy or sampled per row, speculative when a proposer is given (`drafter`: an
     EAGLE-3 Drafter, or PromptLookup; decoding/proposer.py). Lossless: a greedy row's output is token for token
     what plain greedy decoding of the target gives, and a sampled row's output is distributed exactly as sampling
-    the target alone."""
+    the target alone.
+
+    Its live pools (live.py) execute the scheduler's steps through `steps` (the jitted step functions, one
+    device's or a mesh's), `build_for` and `prefill_build` (the static build a step's rows need), the target's
+    params and `draft_params`: the engine holds the configuration and the pages, the pool runs them."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,
@@ -185,14 +189,14 @@ class Engine:
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         engine_args.check_exact(cfg, exact)
-        self._steps = ONE_DEVICE
+        self.steps = ONE_DEVICE  # the jitted step functions (parallel_steps.Steps); a mesh's below
         mesh = target.mesh if mesh is None else mesh
         if mesh is not None:  # the arguments are checked first: placing the models is device work
             if self.auto:
                 raise ValueError("num_draft_tokens='auto' runs on one device (its round costs and held pairs are "
                                  "one device's): with a mesh, give num_draft_tokens an int")
             weighted = drafter if dparams is not None else None  # a proposer with weights is placed on the mesh
-            target, weighted, self._steps = parallel_steps.on_mesh(target, weighted, mesh, exact)
+            target, weighted, self.steps = parallel_steps.on_mesh(target, weighted, mesh, exact)
             if weighted is not None:
                 drafter, dparams = weighted, weighted.params
         self.target, self.drafter, self.max_len = target, drafter, max_len
@@ -260,14 +264,14 @@ class Engine:
         # The engine's device page pools, zeroed when first used: the target's and its proposer's (or None); on a
         # mesh each device holds its KV heads (the spec's per-device config). A partial, not a bound method: the pool
         # must not hold the engine, or a dropped engine's pages would wait for the garbage collector.
-        new_pages = functools.partial(self._steps.new_pages, spec, num_pages, page_size, dtype)
+        new_pages = functools.partial(self.steps.new_pages, spec, num_pages, page_size, dtype)
         return page_pool.PagePool(num_pages, page_size, new_pages)
 
     @property
     def page_size(self) -> int:
         return self.page_pool.page_size
 
-    def _build(self, request: Request) -> spec_round.StepSpec:
+    def build_for(self, request: Request) -> spec_round.StepSpec:
         """The build a request runs: the sampling one when some row samples, with the filter its settings
         need (sampling.filter_for; on a mesh, the radix search)."""
         if not request.samples:
@@ -276,7 +280,7 @@ class Engine:
         chosen = "radix" if self._spec.tp is not None else sampling_lib.filter_for(request.sampling)
         return dataclasses.replace(self._sampling_spec, filter=chosen)
 
-    def _prefill_build(self, spec: spec_round.StepSpec) -> spec_round.StepSpec:
+    def prefill_build(self, spec: spec_round.StepSpec) -> spec_round.StepSpec:
         """The prefill of a build: one for both proposals (prefill draws no drafts), with the build's filter."""
         return dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if spec.sampling else self._spec
 
@@ -292,7 +296,7 @@ class Engine:
         return self._rounds_per_call
 
     @property
-    def _draft_params(self):
+    def draft_params(self):
         """The proposer's weights (None: spec off, or a proposer without weights)."""
         return self._dparams
 
@@ -383,9 +387,9 @@ class Engine:
         (0: the radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix
         build either way). Returns how many calls ran."""
         template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
-        spec = self._build(template)
-        pool, steps, pages = self.max_batch, self._steps, self.page_pool
-        params = (self.target.params, self._draft_params)
+        spec = self.build_for(template)
+        pool, steps, pages = self.max_batch, self.steps, self.page_pool
+        params = (self.target.params, self.draft_params)
         rows = steps.empty(self.spec, pool, self.table_width, int(template.stop_ids.shape[1]),
                            self.target.params["embed"].dtype)
         chunk = steps.put(live.device_chunk(live_plan.empty_chunk(
@@ -404,7 +408,7 @@ class Engine:
                     steps.fetch(packed)
                     calls += 1
             state, packed = steps.prefill(*params, spec_round.with_pages(rows, pages.arrays), chunk,
-                                          spec=self._prefill_build(spec))
+                                          spec=self.prefill_build(spec))
             rows, pages.arrays = spec_round.split_pages(state)
             steps.fetch(packed)
             calls += 1
@@ -426,8 +430,8 @@ class Engine:
         (which compiles each gamma at it, as the request would)."""
         if self._given_costs is not None:
             return self._given_costs(batch, length)
-        template = template or self._greedy_template()
-        spec = self._build(template)
+        template = template or self.greedy_template()
+        spec = self.build_for(template)
         build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
@@ -440,7 +444,8 @@ class Engine:
         return self._costs[build].seconds(batch, length,
                                           lambda b, n, i: self.time_call(b, n, self.gammas[i], template))
 
-    def _greedy_template(self) -> Request:
+    def greedy_template(self) -> Request:
+        """A one-row greedy request: what build_for takes to name the greedy build."""
         return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
 
     def _calls(self) -> list[gamma_policy.Call]:
@@ -455,12 +460,12 @@ class Engine:
         records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
         of which flushes. The rows read the engine's own pages and write nothing (round_costs.timing_pool), so a
         pool's sequences keep their keys; not while a pool runs on another thread."""
-        template = template or self._greedy_template()
+        template = template or self.greedy_template()
         if flush is None and gamma == 0 and self.auto and self._holds:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
-        spec = dataclasses.replace(self._build(template), gamma=gamma, flush=flush is not False)
-        params, pages, steps = (self.target.params, self._draft_params), self.page_pool, self._steps
+        spec = dataclasses.replace(self.build_for(template), gamma=gamma, flush=flush is not False)
+        params, pages, steps = (self.target.params, self.draft_params), self.page_pool, self.steps
         rows = steps.empty(self.spec, batch, self.table_width, int(template.stop_ids.shape[1]),
                            self.target.params["embed"].dtype)
         table = round_costs.timing_table(batch, pages.num_pages, self.table_width)

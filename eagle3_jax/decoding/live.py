@@ -149,7 +149,7 @@ class LivePool:
         """The round costs' build: the sampling one of the running rows' settings when one samples, else greedy."""
         if self._scheduler.samples():
             return self._scheduler.busy_settings()
-        return self.engine._greedy_template()
+        return self.engine.greedy_template()
 
     def _take_inbox(self) -> list[Event]:
         events = []
@@ -204,7 +204,7 @@ class LivePool:
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
                 kind, packed, gamma, owners, chunk_owners, synced = self._queue.popleft()
                 self._events.append(("transfer", tuple(packed.shape)))
-                self._deliver(self._scheduler.read(kind, gamma, owners, self.engine._steps.fetch(packed),
+                self._deliver(self._scheduler.read(kind, gamma, owners, self.engine.steps.fetch(packed),
                                                    chunk_owners, synced))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
@@ -236,8 +236,8 @@ class LivePool:
         return self._scheduler.cached_tokens
 
     def _execute(self, step: Step) -> None:
-        engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine._steps, self._pages
-        params = (engine.target.params, engine._draft_params)
+        engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine.steps, self._pages
+        params = (engine.target.params, engine.draft_params)
         if step.release and self._rows is not None:
             self._rows = jit_release(self._rows, steps.put(np.array(step.release, np.int32)))
         if step.resize is not None:
@@ -253,7 +253,7 @@ class LivePool:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
-        build = engine._build(scheduler.busy_settings(chunk)) if sampled else engine.spec
+        build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
         on_device = None if chunk is None else steps.put(device_chunk(chunk))
         if step.rounds is not None:
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
@@ -269,7 +269,7 @@ class LivePool:
         if chunk is not None and (chunk.alone or step.rounds is None):
             self._events.append(("prefill", (len(chunk.tokens),)))
             state = spec_round.with_pages(self._rows, pages.arrays)
-            state, packed = steps.prefill(*params, state, on_device, spec=engine._prefill_build(build))
+            state, packed = steps.prefill(*params, state, on_device, spec=engine.prefill_build(build))
             self._rows, pages.arrays = spec_round.split_pages(state)
             self._queue.append(("chunk", packed, engine.num_draft_tokens, None, chunk.owners, True))
 
