@@ -13,6 +13,7 @@ from pathlib import Path
 
 from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
+from eagle3_jax.decoding import engine_args
 from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
 from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
@@ -119,20 +120,18 @@ def proposer_from_args(args):
     return eagle3_jax.PromptLookup(**{k: v for k, v in sizes.items() if v is not None})
 
 
+def _check_gamma(args, proposer) -> None:
+    """The engine's gamma rules (engine_args.check_gamma) in the flags' names, before any model loads."""
+    try:
+        engine_args.check_gamma(proposer is not None, args.num_draft_tokens, args.max_draft_tokens,
+                                on_mesh=args.tp != 1, names=engine_args.FLAGS)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _generate(args) -> int:
     proposer = proposer_from_args(args)
-    if args.num_draft_tokens == "auto" and proposer is None:
-        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter "
-                         "or --prompt-lookup")
-    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
-        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
-    if args.num_draft_tokens == "auto" and args.tp != 1:
-        raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
-    from eagle3_jax.decoding.engine_args import MAX_AUTO_DRAFT_TOKENS
-
-    if args.max_draft_tokens is not None and not 1 <= args.max_draft_tokens <= MAX_AUTO_DRAFT_TOKENS:
-        raise SystemExit(f"error: --max-draft-tokens must be in [1, {MAX_AUTO_DRAFT_TOKENS}], "
-                         f"got {args.max_draft_tokens}")
+    _check_gamma(args, proposer)
     import jax
 
     import eagle3_jax
@@ -181,13 +180,7 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     args.proposer = proposer_from_args(args)
-    if args.num_draft_tokens == "auto" and args.proposer is None:
-        raise SystemExit("error: --num-draft-tokens auto chooses how many tokens the drafter drafts: pass --drafter "
-                         "or --prompt-lookup")
-    if args.num_draft_tokens == "auto" and args.tp != 1:
-        raise SystemExit("error: --num-draft-tokens auto runs on one device: with --tp give it an int")
-    if args.max_draft_tokens is not None and args.num_draft_tokens != "auto":
-        raise SystemExit("error: --max-draft-tokens is for --num-draft-tokens auto")
+    _check_gamma(args, args.proposer)
     if args.drain_s < 0:
         raise SystemExit(f"error: --drain-s must be >= 0, got {args.drain_s}")
     import jax

@@ -138,7 +138,7 @@ def test_cli_tp_beyond_the_devices_is_refused_before_loading(tmp_path, capsys):
     assert cli.main(["generate", "--target", str(tmp_path / "absent"), "--prompt-ids", "1,2",
                      "--tp", str(n + 1), "--no-compile-cache"]) == 2
     assert f"error: tp={n + 1} needs {n + 1} devices, and {n} are present" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--num-draft-tokens auto runs on one device: with --tp give it an int"):
+    with pytest.raises(SystemExit, match=r"--num-draft-tokens auto runs on one device \(.*\): with --tp give it an"):
         cli.main(["generate", "--target", str(tmp_path / "absent"), "--drafter", str(tmp_path / "absent"),
                   "--prompt-ids", "1,2", "--num-draft-tokens", "auto", "--tp", "2", "--no-compile-cache"])
 

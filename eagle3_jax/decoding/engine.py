@@ -58,10 +58,9 @@ from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
-PROPOSALS = ("argmax", "sample")
-# Both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM, SGLang and
-# tpu-inference do, and needs no filter over the draft vocabulary per draft step.
-DEFAULT_PROPOSAL = "argmax"
+# engine_args.PROPOSALS: both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM,
+# SGLang and tpu-inference do, and needs no filter over the draft vocabulary per draft step.
+PROPOSALS, DEFAULT_PROPOSAL = engine_args.PROPOSALS, engine_args.DEFAULT_PROPOSAL
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False
@@ -179,22 +178,19 @@ class Engine:
         the sizes."""
         cfg = target.config
         proposer, dparams = proposer_lib.resolve(drafter)
-        gamma, self.auto = engine_args.check_gamma(proposer is not None, num_draft_tokens, max_draft_tokens)
+        mesh = target.mesh if mesh is None else mesh
+        gamma, self.auto = engine_args.check_gamma(proposer is not None, num_draft_tokens, max_draft_tokens,
+                                                   on_mesh=mesh is not None)
         max_len = engine_args.check_sizes(cfg, proposer is not None, gamma, max_len, rounds_per_call)
         engine_args.check_max_batch(max_batch)
         engine_args.check_pages(kv_tokens, page_size, max_len)
         engine_args.check_prefill(prefill_chunk, prefill_sequences, prefix_caching)
         self.prefix_caching = prefix_caching
         kernels = kernels_lib.check(kernels or kernels_lib.default())
-        if proposal not in PROPOSALS:
-            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        engine_args.check_proposal(proposal)
         engine_args.check_exact(cfg, exact)
         self.steps = ONE_DEVICE  # the jitted step functions (parallel_steps.Steps); a mesh's below
-        mesh = target.mesh if mesh is None else mesh
         if mesh is not None:  # the arguments are checked first: placing the models is device work
-            if self.auto:
-                raise ValueError("num_draft_tokens='auto' runs on one device (its round costs and held pairs are "
-                                 "one device's): with a mesh, give num_draft_tokens an int")
             weighted = drafter if dparams is not None else None  # a proposer with weights is placed on the mesh
             target, weighted, self.steps = parallel_steps.on_mesh(target, weighted, mesh, exact)
             if weighted is not None:

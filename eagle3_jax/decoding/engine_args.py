@@ -3,6 +3,8 @@ argument and what it takes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from eagle3_jax.decoding.request import is_int
 from eagle3_jax.models import kernels as kernels_lib
 
@@ -13,23 +15,55 @@ DEFAULT_MAX_DRAFT_TOKENS = 3  # num_draft_tokens="auto" chooses among gamma 0 ..
 MAX_AUTO_DRAFT_TOKENS = 16  # "auto" compiles a step per gamma: more would mostly compile steps never chosen
 
 
-def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens) -> tuple[int, bool]:
+PROPOSALS = ("argmax", "sample")  # how a sampled row's drafts are proposed (Engine's `proposal`)
+DEFAULT_PROPOSAL = "argmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """How a caller spells the gamma arguments in its errors: Engine's keywords (ENGINE) or the CLI's flags
+    (FLAGS), so that both take their rules from check_gamma."""
+
+    num_draft_tokens: str
+    auto: str  # num_draft_tokens set to "auto"
+    max_draft_tokens: str
+    optional: str  # how max_draft_tokens is left out
+    need_drafter: str  # what to do when "auto" has no proposer
+    on_mesh: str  # what to do when "auto" meets a mesh
+
+
+ENGINE = Names("num_draft_tokens", "num_draft_tokens='auto'", "max_draft_tokens", "None",
+               "it needs a drafter", "with a mesh, give num_draft_tokens an int")
+FLAGS = Names("--num-draft-tokens", "--num-draft-tokens auto", "--max-draft-tokens", "unset",
+              "pass --drafter or --prompt-lookup", "with --tp give it an int")
+
+
+def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens, on_mesh: bool = False,
+                names: Names = ENGINE) -> tuple[int, bool]:
     """(the gamma, or under "auto" the largest gamma; whether it is "auto"). The int itself is checked by
-    `check_sizes`."""
+    `check_sizes`. on_mesh: the engine runs tensor parallel, where "auto" is refused."""
     if isinstance(num_draft_tokens, str):
         if num_draft_tokens != "auto":
-            raise ValueError(f"num_draft_tokens must be an int or 'auto', got {num_draft_tokens!r}")
+            raise ValueError(f"{names.num_draft_tokens} must be an int or 'auto', got {num_draft_tokens!r}")
         if not has_drafter:
-            raise ValueError("num_draft_tokens='auto' chooses how many tokens the drafter drafts: it needs a drafter")
+            raise ValueError(f"{names.auto} chooses how many tokens the drafter drafts: {names.need_drafter}")
+        if on_mesh:
+            raise ValueError(f"{names.auto} runs on one device (its round costs and held pairs are one device's): "
+                             f"{names.on_mesh}")
         G = DEFAULT_MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens
         if not is_int(G) or not 1 <= G <= MAX_AUTO_DRAFT_TOKENS:
-            raise ValueError(f"max_draft_tokens must be None or an int in [1, {MAX_AUTO_DRAFT_TOKENS}], "
-                             f"got {max_draft_tokens!r}")
+            raise ValueError(f"{names.max_draft_tokens} must be {names.optional} or an int in "
+                             f"[1, {MAX_AUTO_DRAFT_TOKENS}], got {max_draft_tokens!r}")
         return int(G), True
     if max_draft_tokens is not None:
-        raise ValueError(f"max_draft_tokens is for num_draft_tokens='auto'; with num_draft_tokens="
-                         f"{num_draft_tokens!r} leave it None (got {max_draft_tokens!r})")
+        raise ValueError(f"{names.max_draft_tokens} is for {names.auto}; with {names.num_draft_tokens} "
+                         f"{num_draft_tokens!r} leave it {names.optional} (got {max_draft_tokens!r})")
     return (int(num_draft_tokens) if is_int(num_draft_tokens) else num_draft_tokens), False
+
+
+def check_proposal(proposal) -> None:
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
 
 
 def check_sizes(cfg, has_drafter: bool, num_draft_tokens, max_len, rounds_per_call) -> int:
