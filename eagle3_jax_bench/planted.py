@@ -130,7 +130,7 @@ def timed_generate(eng: eagle3_jax.Engine, prompts, new_tokens: int):
 def round_seconds(eng: eagle3_jax.Engine, plan: Plan, batch: int) -> tuple[float, int]:
     """(seconds per round, executables) of the engine's call of rounds as generate calls it (Engine.time_call:
     its executable, on its pages) at the run's mean KV length; the fastest of plan.reps. Executables: those the
-    call of rounds compiled meanwhile (0: the one generate ran; the timing's own small helpers aside)."""
+    call of rounds compiled meanwhile, on one device (0: the one generate ran; the timing's own small helpers aside)."""
     with count_compilations(spec_round.spec_rounds.__name__) as rounds_compiled:
         seconds = min(eng.time_call(batch, plan.prompt_len + plan.new_tokens // 2, eng.num_draft_tokens)
                       for _ in range(plan.reps))

@@ -33,8 +33,8 @@ Lowering, chosen per kernel by measurement on the H200 (BENCHMARKS.md, design de
 - The exact path's kernels (skinny_matmul, invariant_attention), the fused add + RMSNorm, the fused q/k norm
   + RoPE + page write, the MoE router's top-k and the routed experts: Pallas's Triton backend (pl.pallas_call with
   pltriton.CompilerParams). A Mosaic GPU call is an FFI custom call in XLA, not a plain kernel: the Mosaic GPU
-  add_rms_norm_mgpu matches Triton's kernel time on the H200 but costs 3.50 against 2.46 us a call in a chain of
-  72 (eagle3_jax_bench/norm.py), so Hopper keeps Triton by default (eagle3_jax.models.layers
+  add_rms_norm_mgpu matches Triton's kernel time on the H200, but a Qwen3-8B step with it takes 2.3% / 2.4%
+  longer at batch 1 / 8 (BENCHMARKS.md (s)), so Hopper keeps Triton by default (eagle3_jax.models.layers
   MOSAIC_NORM_ON_HOPPER, norm_lowering).
   The Triton backend works on the JAX versions the project takes, 0.11.2 (the H200's image) through 0.12 (the
   CPU suite): deprecated (a "jax-pallas-triton" DeprecationWarning at lowering) but present; passing Triton

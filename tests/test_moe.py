@@ -222,6 +222,7 @@ def test_greedy_output_matches_transformers(case):
     in test_moe_speculation)."""
     name, model, _, tgt = case
     tokens, lengths = padded(PROMPTS, width=12)
+    assert tokens.size > moe.GATHER_MAX_TOKENS
     cache = target_lib.new_row_cache(tgt.config, len(PROMPTS), 32, jnp.float32)
     hidden, cache, _ = forward(tgt.params, tgt.config, tokens, cache, tgt.config.default_capture_layers)
     last = target_lib.logits(tgt.params, hidden)[jnp.arange(len(PROMPTS)), lengths - 1]

@@ -122,8 +122,9 @@ class Engine:
     the target alone.
 
     Its live pools (live.py) execute the scheduler's steps through `steps` (the jitted step functions, one
-    device's or a mesh's), `build_for` and `prefill_build` (the static build a step's rows need), the target's
-    params and `draft_params`: the engine holds the configuration and the pages, the pool runs them."""
+    device's or a mesh's), `build_for` and `prefill_build` (the static build a step's rows need;
+    `greedy_template` names the greedy one), the target's params and `draft_params`: the engine holds the
+    configuration and the pages, the pool runs them."""
 
     def __init__(self, target: Target, drafter=None, num_draft_tokens: int | str = 3, max_len: int | None = None,
                  kernels: str | None = None, rounds_per_call: int = ROUNDS_PER_CALL,

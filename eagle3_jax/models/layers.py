@@ -15,7 +15,8 @@ from eagle3_jax.models.config import RopeConfig
 # Whether Hopper takes the Mosaic GPU add + RMSNorm (pallas_kernels/add_rms_norm_mgpu.py) over the Triton one. Off:
 # on the H200 (jax 0.12) both take 1.34 us of kernel time at one row, but with it on, the Qwen3-8B spec-off step
 # takes 2.3% / 2.4% longer at batch 1 / 8 and the gamma-3 round 1.3% / 1.0% (round_ab, BENCHMARKS.md (s)): about
-# 1.4 us more a call over the step's 72. The Mosaic GPU kernel is the one that takes over when Pallas drops Triton.
+# 1.4 / 1.6 us more a call over the step's 72. The Mosaic GPU kernel is the one that takes over when Pallas drops
+# Triton.
 MOSAIC_NORM_ON_HOPPER = False
 
 
