@@ -14,8 +14,8 @@ from pathlib import Path
 from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding import engine_args
-from eagle3_jax.decoding.engine import DEFAULT_EXACT, DEFAULT_PROPOSAL, PROPOSALS, ROUNDS_PER_CALL
-from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN
+from eagle3_jax.decoding.engine import DEFAULT_EXACT, ROUNDS_PER_CALL
+from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN, DEFAULT_PROPOSAL, PROPOSALS
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 MAX_LEN_HELP = f"a sequence's capacity, prompt + output (default: min({DEFAULT_MAX_LEN}, the model's limit))"

@@ -12,8 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.decoding import candidate_filter, spec_round
-from eagle3_jax.decoding import engine as engine_lib
+from eagle3_jax.decoding import candidate_filter, engine_args, spec_round
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.models import eagle3 as drafter_lib
@@ -138,7 +137,7 @@ def sampling(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
     greedy = sampled_round(s, batch, gamma, kernels, None, None)
     entry = {"batch": batch, "gamma": gamma, "kernels": kernels, "rounds_per_call": s.rounds_per_call,
              "greedy_ms": greedy.seconds * 1e3, "compile_s": {"greedy": greedy.compile_s}}
-    proposals = engine_lib.PROPOSALS if gamma else ("argmax",)  # no drafts: nothing is proposed
+    proposals = engine_args.PROPOSALS if gamma else ("argmax",)  # no drafts: nothing is proposed
     for proposal in proposals:
         for label, settings in SETTINGS:
             timed = sampled_round(s, batch, gamma, kernels, proposal, settings)
@@ -166,7 +165,7 @@ def summary_lines(results: dict) -> list[str]:
     lines = []
     for e in results.get("sampling", []):
         rounds = ", ".join(f"{p} {label} {e[f'{p}_{label}_ms']:.3f} ms ({e[f'{p}_{label}_extra'] * 100:+.1f}%)"
-                           for p in engine_lib.PROPOSALS for label, _ in SETTINGS if f"{p}_{label}_ms" in e)
+                           for p in engine_args.PROPOSALS for label, _ in SETTINGS if f"{p}_{label}_ms" in e)
         lines.append(f"sampling b{e['batch']} g{e['gamma']}: greedy round {e['greedy_ms']:.3f} ms; sampled "
                      f"{rounds} (qwen3_defaults: the candidate build; top_p_only: the radix build)")
         if "filter_ms" in e:

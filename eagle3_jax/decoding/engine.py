@@ -53,14 +53,12 @@ from eagle3_jax.decoding import (
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding.engine_args import DEFAULT_PROPOSAL, PROPOSALS
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 
 ROUNDS_PER_CALL = 4  # the default: 4 save most of a call's overhead (k = 8: 0.6% more; BENCHMARKS.md)
-# engine_args.PROPOSALS: both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM,
-# SGLang and tpu-inference do, and needs no filter over the draft vocabulary per draft step.
-PROPOSALS, DEFAULT_PROPOSAL = engine_args.PROPOSALS, engine_args.DEFAULT_PROPOSAL
 # Engine(exact=...)'s default. The exact kernels cost speed (BENCHMARKS.md): they become the default
 # where they cost at most 3% of a decode step at batch 1 and 8 on the H200.
 DEFAULT_EXACT = False

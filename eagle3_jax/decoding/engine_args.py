@@ -16,6 +16,8 @@ MAX_AUTO_DRAFT_TOKENS = 16  # "auto" compiles a step per gamma: more would mostl
 
 
 PROPOSALS = ("argmax", "sample")  # how a sampled row's drafts are proposed (Engine's `proposal`)
+# Both are lossless; which accepts more depends on the drafter. "argmax" is what vLLM, SGLang and tpu-inference do,
+# and needs no filter over the draft vocabulary per draft step.
 DEFAULT_PROPOSAL = "argmax"
 
 
