@@ -232,9 +232,28 @@ BAD = [  # (body, status, part of the message)
     ({"prompt": [1, 2, 48]}, 400, "token id 48 outside the vocabulary"),
     ({"prompt": ""}, 400, "the prompt is empty"),
     ({"prompt": []}, 400, "the prompt is empty"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 17}, 400, "n: Input should be less than or equal to 16"),
+    ({"n": 0}, 400, "n: Input should be greater than or equal to 1"),
+    ({"prompt": [[1]] * 20, "n": 13}, 400, "at most 256 choices (prompts x n), got 20 prompts x n 13"),
+    ({"prompt": [1, "w2"]}, 400, "prompt must be a string, a list of strings, a list of token ids or a list of"),
+    ({"prompt": [[1], []]}, 400, "the prompt is empty"),
     ({"stop_token_ids": list(range(9))}, 400, "at most 8 stop token ids"),
     ({"model": "other"}, 404, "the model `other` does not exist"),
+    # Fields that would change the output and that the server does not honour: refused, never ignored.
+    ({"best_of": 3}, 400, "`best_of` > 1"),
+    ({"suffix": " w9"}, 400, "`suffix`"),
+    ({"response_format": {"type": "json_object"}}, 400, "`response_format`"),
+    ({"structured_outputs": {"regex": "w1"}}, 400, "`structured_outputs`"),
+    ({"guided_json": {"type": "object"}}, 400, "`guided_json`"),
+    ({"guided_regex": "w1+"}, 400, "`guided_regex`"),
+    ({"guided_choice": ["w1"]}, 400, "`guided_choice`"),
+    ({"guided_grammar": "root ::= 'w1'"}, 400, "`guided_grammar`"),
+    ({"min_p": 0.1}, 400, "`min_p`"),
+    ({"min_tokens": 3}, 400, "`min_tokens`"),
+    ({"prompt_logprobs": 1}, 400, "`prompt_logprobs`"),
+    ({"skip_special_tokens": False}, 400, "`skip_special_tokens` is not a field this server honours"),
+    ({"frobnicate": 1}, 400, "`frobnicate` is not a field this server honours"),
+    ({"stream_options": {"include_usage": True, "continuous": True}}, 400, "stream_options.continuous"),
 ]
 
 
@@ -245,7 +264,162 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     assert response.status_code == status
     error = response.json()["error"]
     assert message in error["message"] and error["code"] == status
+    if len(body) == 1 and next(iter(body)) not in ("prompt", "max_tokens"):  # the field at fault is named
+        assert error["param"] == next(iter(body))
     assert server.client().completions.create(model="tiny", prompt=[1], max_tokens=2).usage.completion_tokens >= 1
+
+
+CHAT_BAD = [  # (body, the field named)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, "function_call"),
+    ({"echo": True}, "echo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("body, field", CHAT_BAD)
+def test_chat_refuses_what_it_cannot_honour(server, body, field):
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4, **body}
+    response = httpx.post(server.url + "/v1/chat/completions", json=request)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+    assert f"`{field}`" in response.json()["error"]["message"]
+
+
+def test_fields_that_change_nothing_are_accepted(server, offline):
+    """user, metadata and store change no output; tools with tool_choice "none" reach the chat template (this
+    one renders none of them) and change nothing here either."""
+    ((_, _, text, _),) = offline([[3, 17]], 6)
+    got = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": [3, 17], "max_tokens": 6, "temperature": 0, "user": "u1", "store": False,
+        "metadata": {"k": "v"}, "best_of": 1, "suffix": "", "response_format": {"type": "text"}, "min_p": 0})
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == text
+    chat_prompt = offline.tokenizer("w1 w5 w2 w3")["input_ids"]
+    ((_, _, text, _),) = offline([chat_prompt], 6)
+    got = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=6, temperature=0, user="u1",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="none")
+    assert got.choices[0].message.content == text
+
+
+def test_unknown_models_paths_and_methods_get_openai_errors(server):
+    assert httpx.get(server.url + "/v1/models/tiny").json() == {"id": "tiny", "object": "model", "created": 0,
+                                                                "owned_by": "eagle3-jax"}
+    for method, path, status, message in [("GET", "/v1/models/gpt-4", 404, "the model `gpt-4` does not exist"),
+                                          ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions"),
+                                          ("DELETE", "/v1/models", 405, "DELETE is not allowed on /v1/models"),
+                                          ("POST", "/v1/embeddings", 404, "there is no /v1/embeddings")]:
+        response = httpx.request(method, server.url + path)
+        assert response.status_code == status and message in response.json()["error"]["message"]
+        assert response.json()["error"]["code"] == status
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        server.client().models.retrieve("gpt-4")
+
+
+def test_a_body_not_json_or_not_labelled_json_is_refused_saying_so(server):
+    body = b'{"model": "tiny", "prompt": [1], "max_tokens": 2}'
+    for headers, message in [({"content-type": "text/plain"}, "the body must be JSON, sent with 'Content-Type: "
+                                                              "application/json' (got 'text/plain')"),
+                             ({}, "(got 'no content type')")]:
+        response = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+    response = httpx.post(server.url + "/v1/chat/completions", data={"model": "tiny"})  # a form
+    assert response.status_code == 400 and "application/x-www-form-urlencoded" in response.json()["error"]["message"]
+    response = httpx.post(server.url + "/v1/completions", json=[1, 2])
+    assert response.status_code == 400 and "a JSON object, got list" in response.json()["error"]["message"]
+    response = httpx.post(server.url + "/v1/completions", content=b"\xff\xfe", headers={"content-type":
+                                                                                      "application/json"})
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/completions", content=body, headers={
+        "content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_n_prompt_lists_and_token_id_lists(server, offline):
+    """Choices are prompt-major with OpenAI's index (prompt i's j-th is i n + j), usage sums every choice (each
+    prompt's tokens once); numeric strings are text, not token ids."""
+    client = server.client()
+    prompts = [[3, 17], [9, 30, 2], [5]]
+    expected = offline(prompts, 8)
+    for prompt in ([words(p) for p in prompts], prompts):
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=2)
+        assert [c.index for c in got.choices] == list(range(6))
+        assert [c.text for c in got.choices] == [text for _, _, text, _ in expected for _ in range(2)]
+        assert got.usage.prompt_tokens == 6 and got.usage.completion_tokens == 2 * sum(len(t) for t, *_ in expected)
+        details = got.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens == 2 * sum(sum(a) for _, a, _, _ in expected)
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts, reasons = [""] * 6, [None] * 6
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [text for _, _, text, _ in expected for _ in range(2)] and None not in reasons
+    assert chunks[-1].usage.completion_tokens == 2 * sum(len(t) for t, *_ in expected)
+    numeric = client.completions.create(model="tiny", prompt=["12", "34"], max_tokens=4, temperature=0)
+    as_text = offline([offline.tokenizer("12")["input_ids"], offline.tokenizer("34")["input_ids"]], 4)
+    assert [c.text for c in numeric.choices] == [text for _, _, text, _ in as_text]
+    assert numeric.usage.prompt_tokens == 2  # each an unknown word, not the ids 12 and 34 ...
+    as_ids = offline([[12], [34]], 4)
+    assert [text for _, _, text, _ in as_ids] != [text for _, _, text, _ in as_text]  # ... which decode otherwise
+
+
+def test_seeded_n_gives_distinct_reproducible_streams(server, offline):
+    """Choice j of a seeded request samples with seed + j: the n streams differ, a repeat gives them again, and each
+    is the n=1 request's at its seed (for chat too)."""
+    client = server.client()
+    settings = dict(temperature=2.0, seed=5)
+    got = client.completions.create(model="tiny", prompt=[7, 11], max_tokens=12, n=3, **settings)
+    texts = [c.text for c in got.choices]
+    assert len(set(texts)) == 3
+    assert [c.text for c in client.completions.create(model="tiny", prompt=[7, 11], max_tokens=12, n=3,
+                                                      **settings).choices] == texts
+    for j in range(3):
+        (want,) = offline.engine.generate([[7, 11]], 12, [EOS], temperature=2.0, seed=5 + j)
+        assert texts[j] == offline.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=12,
+                                          n=2, **settings)
+    alone = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}],
+                                           max_tokens=12, temperature=2.0, seed=6)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[1].message.content == alone.choices[0].message.content
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+
+
+def test_usage_counts_drafts_past_a_stop_string_as_rejected(folders):
+    """A round's tokens are its accepted drafts then the target's own: when a stop string ends the text inside the
+    accepted drafts, the drafts after it count as rejected, so accepted + rejected stays the drafted count and
+    accepted never exceeds the completion's tokens after its first (a pool that reports known events)."""
+    import asyncio
+
+    from eagle3_jax.decoding.live_plan import Event
+    from eagle3_jax.serving.app import Generation, ServerState
+
+    class Pool:
+        error, engine = None, None
+        aborted: list = []
+
+        def check(self, **settings):
+            return settings
+
+        def submit(self, row, deliver):
+            for event in (Event(0, [5], 0, 0, False, None), Event(0, [6, 7, 8, 9], 3, 3, False, None, 3),
+                          Event(0, [10, 11], 1, 3, True, "length", 3)):
+                deliver(event)
+            return 0
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    state = ServerState(Pool(), PreTrainedTokenizerFast.from_pretrained(folders / "target"), "tiny", {}, ())
+    run = Generation(state, 0, {"prompt": [1, 2]}, ["w6"])
+
+    async def text():
+        return "".join([piece.text async for piece in run.pieces()])
+
+    assert asyncio.run(text()) == "w5 " and run.finish_reason == "stop" and state.pool.aborted == [0]
+    assert (run.usage.completion_tokens, run.usage.accepted, run.usage.drafted) == (2, 1, 3)
 
 
 def test_malformed_json_and_the_clients_errors(server):
@@ -256,6 +430,8 @@ def test_malformed_json_and_the_clients_errors(server):
         server.client().completions.create(model="tiny", prompt=[1], temperature=7)
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "w1"}])
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        server.client().completions.create(model="tiny", prompt=[1], best_of=2, n=1)
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -336,6 +512,8 @@ def test_a_key_and_signals_drain_requests_in_flight(folders, sig):
                 if refused.status_code != 200:
                     break
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            health = httpx.get(server.url + "/health")  # a load balancer stops sending
+            assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
         ends = [(chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens)
                 for chunks in [first + list(streams[0])] + [list(s) for s in streams[1:]]]
         if sig == signal.SIGTERM:

@@ -104,6 +104,17 @@ def bucket_length(length: int, max_len: int) -> int:
     return min(max(_MIN_PREFILL_BUCKET, 1 << (length - 1).bit_length()), max_len)
 
 
+def check_room(prompt_tokens: int, max_new_tokens: int, max_len: int, name: str = "max_new_tokens",
+               limit: str | None = None) -> None:
+    """A prompt and its budget must fit max_len together: ValueError naming both numbers otherwise. Engine.generate
+    cuts a row at max_len instead (a budget is a most); the server and the CLI, which take one prompt and a budget a
+    user typed, refuse it, so that nobody gets fewer tokens than asked for without being told. name, limit: how the
+    caller spells the budget and the capacity."""
+    if prompt_tokens + max_new_tokens > max_len:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens and {name} is {max_new_tokens}: together "
+                         f"{prompt_tokens + max_new_tokens}, past {limit or f'max_len={max_len}'}")
+
+
 def is_int(x) -> bool:
     """An int, or a numpy integer; not a bool (True is not a token id, a budget or a count)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))

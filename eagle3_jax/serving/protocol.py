@@ -1,24 +1,50 @@
-"""The request bodies of the OpenAI-compatible endpoints, as pydantic models (what FastAPI validates), and the
-OpenAI-style error body. Fields a client sends that the server does not use are ignored, as OpenAI's clients
-send some by default."""
+"""The request bodies of the OpenAI-compatible endpoints, as pydantic models, the checks types cannot express,
+and the OpenAI-style error body.
+
+Refuse, never ignore: a client that gets a 200 for a field the server ignored computes wrong results and never
+knows. The models declare every field the server reads; a declared field the server does not honour is refused
+at any value that would change the output (`refusal`), and so is every field the models do not declare (an
+unknown field may change the output: it is named in the 400). Fields that change nothing (`user`, `metadata`,
+`store`) are accepted.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3_jax.decoding.request import is_int
+
 SEED_LIMIT = 2**64
+MAX_N = 16  # choices per prompt (`n`)
+MAX_CHOICES = 256  # choices per request: prompts x n
+NO_EFFECT = ("user", "metadata", "store")  # accepted fields that change nothing
+# Declared fields this server does not honour, refused whenever given a value that would change the output (the
+# reason names what to use instead, or why).
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+NOT_YET = {
+    "logprobs": "logprobs are not served yet",
+    "top_logprobs": "logprobs are not served yet",
+    "echo": "echo is not served yet",
+    "frequency_penalty": "penalties are not served yet",
+    "presence_penalty": "penalties are not served yet",
+    "repetition_penalty": "penalties are not served yet",
+    "logit_bias": "logit_bias is not served yet",
+}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _Generation(BaseModel):
-    """Settings both endpoints take. None: the server's default (the target's generation_config.json)."""
+    """Settings both endpoints take. None: the server's default (the target's generation_config.json). Extra fields
+    are kept (`model_extra`) so that `refusal` can name them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -31,29 +57,124 @@ class _Generation(BaseModel):
     ignore_eos: bool = False  # an extension: the tokenizer's end-of-sequence id does not stop the request
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    # Accepted, changing nothing.
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    # Refused at a value that changes the output (`refusal`).
+    logprobs: object = None
+    top_logprobs: object = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: object = None
+    structured_outputs: object = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, message) for the first field given that would change the output and that this server does not
+        honour; None when there is none."""
+        for name in self.model_extra or {}:
+            return name, (f"`{name}` is not a field this server honours: it is refused rather than ignored "
+                          "(docs/serving.md lists the fields it takes)")
+        for name in GUIDED:
+            if getattr(self, name) is not None:
+                return name, f"`{name}` (constrained output) is not supported by this server"
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format", ("`response_format` other than {\"type\": \"text\"} is not supported by this "
+                                       "server")
+        if self.min_p not in (None, 0):
+            return "min_p", "`min_p` is not supported by this server (use top_p or top_k)"
+        if self.min_tokens not in (None, 0):
+            return "min_tokens", "`min_tokens` is not supported by this server"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "`prompt_logprobs` is not supported by this server (use echo with logprobs)"
+        neutral = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+                   "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+                   "logit_bias": (None, {})}
+        for name, reason in NOT_YET.items():
+            if getattr(self, name, None) not in neutral[name]:
+                return name, f"`{name}`: {reason}"
+        return None
+
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int]  # text, or token ids
+    prompt: str | list  # text, token ids, or a list of either (`prompts`)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of > 1:
+            return "best_of", "`best_of` > 1 (candidates ranked server-side) is not supported: use n"
+        if self.suffix:
+            return "suffix", "`suffix` (insertion) is not supported by this server"
+        return super().refusal()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a text or a list of token ids; a string is always text (["12", "34"] is two
+        text prompts), a list of ints one prompt of token ids. ValueError for any other shape."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            return [[]]
+        if all(is_int(t) for t in prompt):
+            return [[int(t) for t in prompt]]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
+            return [[int(t) for t in p] for p in prompt]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                         "lists")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message as the chat template reads it: its other fields (tool_calls, name, ...) are passed to the template
+    as they are."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str
+    content: str | None = None
 
 
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # newer clients' name for max_tokens
     chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": false} for Qwen3's template
+    tools: list[dict] | None = None  # given to the chat template; served only with tool_choice "none"
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # the deprecated form of tools
+    function_call: str | dict | None = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            chosen = getattr(self, choice)
+            if getattr(self, tools) and chosen != "none":
+                return choice, (f"`{tools}` with `{choice}` {chosen!r} (tool calls) is not supported by this server: "
+                                f"give `{choice}` \"none\"")
+            if not getattr(self, tools) and chosen not in (None, "none", "auto"):
+                return choice, f"`{choice}` {chosen!r} names a tool, and no `{tools}` were given"
+        return super().refusal()
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template renders (functions as tools), None without any."""
+        tools = list(self.tools or []) + [{"type": "function", "function": f} for f in self.functions or []]
+        return tools or None
 
 
-def error_body(message: str, kind: str, code: int) -> dict:
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
