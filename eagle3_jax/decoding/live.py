@@ -77,8 +77,8 @@ class LivePool:
                                         alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
                                         with_next=engine.holds_pairs, history=engine.keeps_history)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
-        # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it)
-        # dispatched, unread
+        # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it,
+        # the chunk's prompt segments) dispatched, unread
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", id, row, callback) or ("abort", id), in call order
@@ -108,12 +108,14 @@ class LivePool:
         """Requests queued for a slot (submitted ones the scheduler has not taken yet included)."""
         return len(self._scheduler.waiting) + sum(1 for item in list(self._inbox) if item[0] == "add")
 
-    def check(self, prompt, max_new_tokens, stop_token_ids=(), *, temperature=0.0, top_k=0, top_p=1.0,
-              seed=None) -> Request:
-        """The one-row request `submit` queues for these arguments (live_plan.live_row)."""
-        return live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
-                        vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    def check(self, prompt, max_new_tokens, stop_token_ids=(), **settings) -> Request:
+        """The one-row request `submit` queues for these arguments (live_plan.live_row; settings: Engine.generate's
+        sampling, penalties, logit_bias and logprobs keywords), refused (ValueError) where the engine cannot honour
+        it (Engine.check_outputs)."""
+        row = live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
+                       vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width, **settings)
+        self.engine.check_outputs(row)
+        return row
 
     def submit(self, row: Request, on_event: Callable[[Event], None]) -> int:
         """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's
@@ -202,10 +204,10 @@ class LivePool:
                     self._execute(self._scheduler.plan(1, idle=False))
                 if not self._queue:  # running requests, and nothing planned for them: they would never finish
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
-                kind, packed, gamma, owners, chunk_owners, synced = self._queue.popleft()
+                kind, packed, gamma, owners, chunk_owners, synced, prompt_segments = self._queue.popleft()
                 self._events.append(("transfer", tuple(packed.shape)))
                 self._deliver(self._scheduler.read(kind, gamma, owners, self.engine.steps.fetch(packed),
-                                                   chunk_owners, synced))
+                                                   chunk_owners, synced, prompt_segments))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
                 self.error = e
@@ -254,6 +256,7 @@ class LivePool:
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
         build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
+        build = dataclasses.replace(build, penalties=step.penalties, logprobs=step.logprobs)
         on_device = None if chunk is None else steps.put(device_chunk(chunk))
         if step.rounds is not None:
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
@@ -265,17 +268,19 @@ class LivePool:
             self._rows, pages.arrays = spec_round.split_pages(state)
             synced = step.rounds.gamma > 0 or step.rounds.flush or not engine.holds_pairs
             self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
-                                synced))
+                                synced, ()))
         if chunk is not None and (chunk.alone or step.rounds is None):
             self._events.append(("prefill", (len(chunk.tokens),)))
             state = spec_round.with_pages(self._rows, pages.arrays)
-            state, packed = steps.prefill(*params, state, on_device, spec=engine.prefill_build(build))
+            spec = engine.prefill_build(build, prompt_logprobs=bool(chunk.prompt_segments))
+            state, packed = steps.prefill(*params, state, on_device, spec=spec)
             self._rows, pages.arrays = spec_round.split_pages(state)
-            self._queue.append(("chunk", packed, engine.num_draft_tokens, None, chunk.owners, True))
+            self._queue.append(("chunk", packed, engine.num_draft_tokens, None, chunk.owners, True,
+                                chunk.prompt_segments))
 
 
 def device_chunk(chunk) -> spec_round.Chunk:
     """A chunk plan's arrays as spec_round.Chunk takes them (host arrays, for the steps' put)."""
     return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, chunk.slot,
                             chunk.next_token, chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling,
-                            chunk.history)
+                            chunk.history, chunk.penalties)

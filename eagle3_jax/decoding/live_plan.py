@@ -43,7 +43,9 @@ from typing import Protocol
 
 import numpy as np
 
+from eagle3_jax.decoding import logprobs as logprobs_lib
 from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
+from eagle3_jax.decoding.penalties import Penalties
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.decoding.round_output import RoundOutput
 from eagle3_jax.decoding.sampling import SamplingParams
@@ -81,8 +83,14 @@ class ChunkPlan:
     stop_ids: np.ndarray  # [P, width] int32
     sampling: SamplingParams  # [P]
     owners: np.ndarray  # [P] int64: the request whose prompt each final segment ends (-1: none)
-    alone: bool  # a call of its own (no running row, or an exact engine), not riding in a call of rounds
-    history: np.ndarray | None = None  # [P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+    # a call of its own (no running row, an exact engine, or prompt logprobs asked for), not riding in a call of rounds
+    alone: bool
+    # [P, max_len] int32: a final segment's whole sequence (prompt lookup's, and a penalized sequence's: penalties.py)
+    history: np.ndarray | None = None
+    penalties: Penalties | None = None  # [P] each sequence's penalties and logit_bias
+    # (request id, offset in tokens, start position, tokens) of each segment whose prompt logprobs are asked for: the
+    # chunk is then a call of its own, which reports them (spec_round.prefill)
+    prompt_segments: tuple = ()
 
     @property
     def samples(self) -> bool:
@@ -105,6 +113,8 @@ class Step:
     sampling: bool  # whether the call's rows (or its chunk's first tokens) include a sampled one: the sampling build
     page_table: np.ndarray | None  # [size, W] every slot's pages, to load before the call; None: unchanged
     owners: np.ndarray  # [size] int64: the request running in each slot (-1: none), the call of rounds' rows
+    penalties: bool = False  # whether the call's rows or its chunk's joining ones have penalties: a penalty build
+    logprobs: bool = False  # whether they ask for logprobs: a build with logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +130,9 @@ class Event:
     gamma: int | None = None  # a speculative round's drafts per round (0 included); None for a first token, spec off
     trace: tuple[list[int], list[int]] | None = None  # with trace: a speculative round's (drafts, target choices)
     cached_tokens: int = 0  # with the first token: the prompt tokens served from the prefix cache
+    logprobs: list | None = None  # a request that asks for them: each token's logprobs.TokenLogprobs
+    # with the first token of a request that asks for them: each prompt token's (None for the first)
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -138,6 +151,16 @@ class _Live:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
+    prompt_logprobs: list | None = None  # its prompt tokens' logprobs as its chunks report them (when asked for)
+
+    def asks(self, field: str) -> bool:
+        """Whether its request asks for `field` ("logprobs", "prompt_logprobs")."""
+        counts = getattr(self.row, field)
+        return counts is not None and int(counts[0]) >= 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.row.penalties is not None and bool(self.row.penalties.active()[0])
 
     def known(self) -> np.ndarray:
         """Every token of its sequence the host knows: the prompt, then what it emitted."""
@@ -282,7 +305,11 @@ class LiveScheduler:
         if rounds is not None and self._table_changed:
             table, self._table_changed = self.page_table(), False
         sampling = (rounds is not None and self.samples()) or (chunk is not None and chunk.samples)
-        return Step(release, resize, size, tuple(preempted), rounds, chunk, sampling, table, owners)
+        rows = (busy if rounds is not None else []) + ([int(r) for r in chunk.owners if r >= 0] if chunk else [])
+        penalties = any(self.requests[r].penalized for r in rows)
+        logprobs = any(self.requests[r].asks("logprobs") for r in rows) or bool(chunk and chunk.prompt_segments)
+        return Step(release, resize, size, tuple(preempted), rounds, chunk, sampling, table, owners, penalties,
+                    logprobs)
 
     def page_table(self) -> np.ndarray:
         """[size, W] every running slot's pages (-1 past them, and for a slot with no running row)."""
@@ -416,8 +443,8 @@ class LiveScheduler:
     def _cached_prefix(self, live: _Live, sequence: np.ndarray) -> list[int]:
         """The cached pages of the longest prefix of whole pages of `sequence` (held now), leaving at least its last
         token to compute (its logits, its drafter output)."""
-        if not self.prefix_caching:
-            return []
+        if not self.prefix_caching or (live.asks("prompt_logprobs") and not live.prefilled):
+            return []  # a cached page holds no logits: a prompt whose logprobs are asked for is computed whole
         usable = (len(sequence) - 1) // self.pages.page_size
         return self.pages.lookup(self._keys(live, sequence, usable))
 
@@ -441,15 +468,26 @@ class LiveScheduler:
     def _lay_out(self, segments: list, alone: bool) -> ChunkPlan:
         """The chunk's arrays for these (sequence, tokens taken) segments, each sequence's progress advanced; a
         sequence whose last chunk this is joins the pool (its row runs from the next call)."""
-        plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.size, alone,
-                           self.max_len if self.history else 0)
+        # A penalized sequence that joins brings its whole sequence (penalties count over it); a segment whose prompt
+        # logprobs are asked for makes the chunk a call of its own, which reports them.
+        ends = [live.computed + take == len(live.sequence()[0]) for live, take in segments]
+        history = self.history or any(end and live.penalized for end, (live, _) in zip(ends, segments))
+        asked = [not live.prefilled and live.asks("prompt_logprobs") for live, _ in segments]
+        plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.size,
+                           alone or any(asked), self.max_len if history else 0)
         tokens, cu, start, table, final, slot, next_token = (plan.tokens, plan.cu, plan.start, plan.table, plan.final,
                                                               plan.slot, plan.next_token)
         generated, max_new, stop_ids, owners = plan.generated, plan.max_new, plan.stop_ids, plan.owners
         settings = [getattr(plan.sampling, f) for f in ("temperature", "top_k", "top_p", "seed")]
+        prompt_segments = []
         at = 0
         for p, (live, take) in enumerate(segments):
             sequence, resume = live.sequence()
+            if asked[p]:
+                prompt_segments.append((int(self.owner[live.slot]), at, live.computed, take))
+            if live.row.penalties is not None:
+                for field in ("frequency", "presence", "repetition", "bias_ids", "bias"):
+                    getattr(plan.penalties, field)[p] = getattr(live.row.penalties, field)[0]
             tokens[at : at + take] = sequence[live.computed : live.computed + take]
             start[p], slot[p] = live.computed, live.slot
             table[p, : len(live.pages)] = live.pages
@@ -470,20 +508,23 @@ class LiveScheduler:
                     plan.history[p, : len(sequence)] = sequence
             cu[p + 1] = at
         cu[len(segments) + 1 :] = at
-        return plan
+        return dataclasses.replace(plan, prompt_segments=tuple(prompt_segments)) if prompt_segments else plan
 
     def read(self, kind: str, gamma: int, owners: np.ndarray, outputs: np.ndarray,
-             chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
+             chunk_owners: np.ndarray | None = None, synced: bool = True, prompt_segments: tuple = ()) -> list[Event]:
         """The events of one operation's transfer: kind "rounds" ([R, size, ...], then a chunk's [P, ...] rows when
         chunk_owners is given) or "chunk" ([P, ...]); owners: the request id of each round row when it was
         dispatched (-1: none), chunk_owners: each chunk segment's whose prompt it ended (-1: none); synced: whether
         the call left its rows' drafter KV up to date (it drafted, or brought held pairs in), so that their full
-        committed pages may be cached. A recompute's chunk reports nothing."""
+        committed pages may be cached; prompt_segments: a chunk's ChunkPlan.prompt_segments, whose rows follow its
+        [P, ...] rows (spec_round.prefill). A recompute's chunk reports nothing."""
         events = []
         if chunk_owners is not None:
             P = chunk_owners.shape[0]
             rounds, chunk = (outputs[:-P].reshape(-1, len(owners), outputs.shape[-1]), outputs[-P:]) \
-                if kind == "rounds" else (None, outputs)
+                if kind == "rounds" else (None, outputs[:P])
+            if prompt_segments:
+                self._read_prompt_logprobs(prompt_segments, RoundOutput.unpack(outputs[P:], gamma).logprobs[:, 0])
         else:
             rounds, chunk = outputs, None
         if rounds is not None:
@@ -492,6 +533,22 @@ class LiveScheduler:
             events += self._read_first_tokens(gamma, chunk_owners, chunk)
         return events
 
+    def _read_prompt_logprobs(self, segments: tuple, columns: np.ndarray) -> None:
+        """Each asking segment's prompt logprobs (chunk position j's columns: the next token's), kept on its request
+        by position until its first token's event carries them; the position after a prompt's last (its first
+        token's) is the first token's own report."""
+        for r, offset, start, take in segments:
+            live = self.requests.get(r)
+            if live is None or live.prefilled:
+                continue
+            prompt = int(live.row.lengths[0])
+            if live.prompt_logprobs is None:
+                live.prompt_logprobs = [None] * prompt
+            k = int(live.row.prompt_logprobs[0])
+            for t, entry in enumerate(logprobs_lib.unpack(columns[offset : offset + take], k)):
+                if start + t + 1 < prompt:
+                    live.prompt_logprobs[start + t + 1] = entry
+
     def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
         events = []
         out = RoundOutput.unpack(outputs, gamma)
@@ -499,9 +556,18 @@ class LiveScheduler:
             live = self.requests.get(r)
             if live is None or live.slot < 0 or self.owner[live.slot] != r or live.prefilled:
                 continue  # gone, or a recompute (its first token was reported once)
+            logprobs = self._logprobs(live, out, p)
+            prompt = live.prompt_logprobs if live.asks("prompt_logprobs") else None
             events.append(self._emitted(live, r, out.tokens[p], bool(out.done[p]), 0, 0, None, None, True,
-                                        live.cached_tokens))
+                                        live.cached_tokens, logprobs, prompt))
         return events
+
+    @staticmethod
+    def _logprobs(live: _Live, out: RoundOutput, row: int) -> list | None:
+        """The logprobs of the tokens `out` emitted in `row`, when live's request asks for them."""
+        if not live.asks("logprobs") or out.logprobs is None:
+            return None
+        return logprobs_lib.unpack(out.logprobs[row, : len(out.tokens[row])], int(live.row.logprobs[0]))
 
     def _read_rounds(self, gamma: int, owners: np.ndarray, outputs: np.ndarray, synced: bool) -> list[Event]:
         events = []
@@ -523,11 +589,13 @@ class LiveScheduler:
                 new = out.tokens[row]
                 events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
                                             gamma if speculative and new else 0, gamma if speculative else None,
-                                            (drafts[row], choices[row]) if drafts else None, synced))
+                                            (drafts[row], choices[row]) if drafts else None, synced,
+                                            logprobs=self._logprobs(live, out, row)))
         return events
 
     def _emitted(self, live: _Live, request_id: int, new: list[int], done: bool, accepted: int, drafted: int, gamma,
-                 trace, synced: bool, cached: int = 0) -> Event:
+                 trace, synced: bool, cached: int = 0, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None) -> Event:
         """A read's tokens for `live`: its progress, its full committed pages into the cache (while its drafter is
         up to date: synced), and, when done, its slot and pages free."""
         live.left -= len(new)
@@ -541,7 +609,7 @@ class LiveScheduler:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
             self._free_slot(live)  # done on the device already: nothing to release
             del self.requests[request_id]
-        return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached)
+        return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached, logprobs, prompt_logprobs)
 
 
 def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
@@ -556,19 +624,19 @@ def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: 
                      np.full((P, width), -1, np.int32), np.zeros((P,), bool), np.full((P,), size, np.int32),
                      np.full((P,), -1, np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
                      np.full((P, stop_width), -1, np.int32), settings, np.full((P,), -1, np.int64), alone,
-                     np.zeros((P, history), np.int32) if history else None)
+                     np.zeros((P, history), np.int32) if history else None, Penalties.neutral(P))
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
-             temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+             **settings) -> Request:
     """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
     whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
-    even when greedy (temperature 0), so that every row of a live pool has the same fields."""
+    even when greedy (temperature 0), so that every row of a live pool has the same fields. settings:
+    Request.build's (sampling, penalties, logit_bias, logprobs)."""
     stops = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
     if isinstance(stops, list) and len(stops) > stop_width:
         raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
-    row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size, **settings)
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given
@@ -612,6 +680,16 @@ def stack(rows: list[Request], num_rows: int, max_len: int) -> Request:
 
     sampling = SamplingParams(*(cat(lambda r, f=f: getattr(r.sampling, f)) for f in
                                 ("temperature", "top_k", "top_p", "seed")))
+    penalties = None
+    if any(r.penalties is not None for r in rows):
+        penalties = Penalties(*(cat(lambda r, f=f: getattr(r.penalties or Penalties.neutral(1), f)) for f in
+                                ("frequency", "presence", "repetition", "bias_ids", "bias")))
+
+    def counts(field):
+        none = np.full((1,), -1, np.int32)
+        return None if all(getattr(r, field) is None for r in rows) else cat(lambda r: getattr(r, field) if
+                                                                            getattr(r, field) is not None else none)
+
     together = Request(tokens, cat(lambda r: r.lengths), cat(lambda r: r.max_new), cat(lambda r: r.stop_ids),
-                       sampling)
+                       sampling, penalties, counts("logprobs"), counts("prompt_logprobs"))
     return together.take(list(range(len(rows))), num_rows, max_len)

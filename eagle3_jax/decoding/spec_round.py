@@ -39,6 +39,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import logprobs as logprobs_lib
+from eagle3_jax.decoding import penalties as penalties_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
@@ -80,6 +82,8 @@ class DecodeState:
     sampling: sampling_lib.SamplingParams | None = None
     held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
     history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
+    # penalties and logit_bias (penalties.py): every row's settings, and a penalized row's sequence; None on a mesh
+    penalty: penalties_lib.PenaltyState | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,12 @@ class StepSpec:
     flush: bool = True
     # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
     tp: Shards | None = None
+    # The rows' penalties and logit_bias applied to the target's logits (penalties.py); off, a step reads none.
+    penalties: bool = False
+    # Each emitted token's logprob and most likely alternatives packed into the output (logprobs.py, round_output).
+    logprobs: bool = False
+    # A chunk's call of its own (prefill) also reports every chunk position's next-token logprobs (with logprobs).
+    prompt_logprobs: bool = False
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -168,6 +178,8 @@ class Chunk:
     stop_ids: jax.Array  # [P, width] int32
     sampling: sampling_lib.SamplingParams  # [P] each sequence's settings (greedy: temperature 0)
     history: jax.Array | None = None  # [P, max_len] int32: a final segment's whole sequence, for a proposer's history
+    # [P] each sequence's penalties and logit_bias (a penalized final segment's chunk carries its history too)
+    penalties: penalties_lib.Penalties | None = None
 
     @property
     def layout(self) -> Layout:
@@ -203,7 +215,8 @@ def new_rows(spec: StepSpec, batch: int, width: int, stop_width: int, dtype) -> 
     rows = DecodeState(target_pages=None, draft_pages=None, page_table=jnp.full((batch, width), -1, jnp.int32),
                        lengths=zeros, draft_lengths=None, last_token=zeros, draft_hidden=None, num_generated=zeros,
                        max_new=zeros, stop_ids=jnp.full((batch, stop_width), -1, jnp.int32),
-                       done=jnp.ones((batch,), bool), sampling=settings, held=held)
+                       done=jnp.ones((batch,), bool), sampling=settings, held=held,
+                       penalty=penalties_lib.new_rows(batch, spec.max_len) if spec.tp is None else None)
     own = spec.proposer.new_rows(batch, spec, dtype) if spec.proposer is not None else {}
     return dataclasses.replace(rows, **own)
 
@@ -218,39 +231,60 @@ def with_pages(rows: DecodeState, pages: tuple[KVPages, KVPages | None]) -> Deco
 
 
 def prefill(tparams, dparams, state: DecodeState, chunk: Chunk, *, spec: StepSpec):
-    """A call of the chunk alone (exact engines prefill so, and a pool with no running row): its target forward,
-    then `admit` -> (state, the chunk's output packed [P, width])."""
+    """A call of the chunk alone (exact engines prefill so, a pool with no running row, and a chunk whose prompt
+    logprobs are asked for): its target forward, then `admit` -> (state, the chunk's output packed [P, width]; with
+    `spec.prompt_logprobs`, then [C, width] more: row j's first logprobs columns the next-token logprobs at chunk
+    position j, from the forward's own hidden states: logprobs.prompt_columns)."""
     hidden, target_pages, features = target_lib.forward(tparams, spec.target, chunk.tokens[None], state.target_pages,
                                                         chunk.layout, spec.capture_layers, spec.kernels, spec.tp)
     state = dataclasses.replace(state, target_pages=target_pages)
     logits = target_lib.logits(tparams, hidden[0, chunk.last])
-    return admit(tparams, dparams, state, chunk, logits, None if features is None else features[0], spec)
+    state, packed = admit(tparams, dparams, state, chunk, logits, None if features is None else features[0], spec)
+    if not spec.prompt_logprobs:
+        return state, packed
+    C = chunk.tokens.shape[0]
+    columns = logprobs_lib.prompt_columns(tparams, hidden[0], _successors(chunk, chunk.next_token), spec.kernels)
+    zeros = jnp.zeros((C,), jnp.int32)
+    at_first = jnp.zeros((C, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(columns)
+    rows = round_output.pack(jnp.zeros((C, spec.gamma + 1), jnp.int32), jnp.zeros((C, spec.gamma), jnp.int32), zeros,
+                             zeros, zeros, logprobs=at_first)
+    return state, jnp.concatenate([packed, rows])
+
+
+def _successors(chunk: Chunk, after) -> jax.Array:
+    """[C] each chunk token's next token: the next of its segment, or after [P] at a segment's last token."""
+    C, P = chunk.tokens.shape[0], chunk.start.shape[0]
+    successor = jnp.concatenate([chunk.tokens[1:], chunk.tokens[:1]])
+    seq = chunk.layout.seq
+    is_last = jnp.arange(C) == chunk.last[jnp.minimum(seq, P - 1)]
+    return jnp.where(is_last & (seq < P), after[jnp.minimum(seq, P - 1)], successor)
 
 
 def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, spec: StepSpec):
     """What a chunk's target forward leaves (the logits at each segment's last token [P, V], features [C, F] or
     None) turned into the proposer's KV for the chunk and, for each final segment, its first token and its row in
     its slot -> (state, the chunk's output packed [P, width]: a drawn first token emitted, a recompute's not)."""
-    C, P = chunk.tokens.shape[0], chunk.start.shape[0]
+    P = chunk.start.shape[0]
     seg_len = chunk.cu[1:] - chunk.cu[:-1]
-    last = chunk.last
     n = chunk.lengths
     vocab = _vocab(spec)
-    first = vocab.argmax(logits)
+    # A penalized sequence's chunk carries its history (the whole sequence), from which its penalties count.
+    penalized = spec.penalties and state.penalty is not None and chunk.history is not None
+    prompt_lengths = penalties_lib.prompt_lengths_of(n, chunk.generated)
+    scored = logits
+    if penalized:
+        scored = penalties_lib.first_logits(logits, chunk.penalties, chunk.history, n, prompt_lengths)
+    first = vocab.argmax(scored)
     if spec.sampling:
         s = chunk.sampling
-        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
+        probs = sampling_lib.filtered_probs(scored, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, n), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
     final = chunk.final & (seg_len > 0)
     resumed = final & (chunk.next_token >= 0)
     first = jnp.where(resumed, chunk.next_token, first)
     # Each token's successor, for the proposer's pairs: the next token of its segment, then the one after it.
-    after = jnp.where(final, first, chunk.next_token)
-    successor = jnp.concatenate([chunk.tokens[1:], chunk.tokens[:1]])
-    seq = chunk.layout.seq
-    is_last = jnp.arange(C) == last[jnp.minimum(seq, P - 1)]
-    successor = jnp.where(is_last & (seq < P), after[jnp.minimum(seq, P - 1)], successor)
+    successor = _successors(chunk, jnp.where(final, first, chunk.next_token))
     own = {}
     if spec.proposer is not None:
         state, own = spec.proposer.admit(dparams, tparams, spec, state, chunk, successor, features, first, final)
@@ -264,10 +298,17 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
                                                              getattr(state, name), value)
                                           for name, value in joined.items()})
+    if state.penalty is not None and chunk.penalties is not None:  # every joining row's settings: no stale ones
+        state = dataclasses.replace(state, penalty=penalties_lib.admitted(
+            state.penalty, slots, chunk.penalties, chunk.history, n, prompt_lengths, first, penalized))
     unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width: one unpacking
     zeros = jnp.zeros((P,), jnp.int32)
+    logprobs = None
+    if spec.logprobs:  # the first token's, from the raw logits, then a round's unused positions
+        logprobs = jnp.zeros((P, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(
+            logprobs_lib.columns(logits, first))
     packed = round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused,
-                               jnp.where(final, num_emit, 0), zeros, final & done)
+                               jnp.where(final, num_emit, 0), zeros, final & done, logprobs=logprobs)
     return state, packed
 
 
@@ -347,7 +388,10 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
             chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
             logits = both[: B * T].reshape(B, T, -1)
             features = None if features is None else features[0, : B * T].reshape(B, T, -1)
-        choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
+        # The rows' penalties and logit_bias, each position counting the drafts before it (penalties.py); the
+        # logprobs below stay the raw logits'.
+        scored = penalties_lib.verify_logits(logits, state.penalty, n, drafts) if spec.penalties else logits
+        choices, accepted = _verify(state, scored, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
     num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
@@ -360,6 +404,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         num_generated=state.num_generated + num_emit,
         done=done,
     )
+    if spec.penalties:
+        new_state = dataclasses.replace(new_state, penalty=penalties_lib.committed(state.penalty, n, choices,
+                                                                                   state.done))
     shadow = None
     if proposer is not None and (G > 0 or not proposer_lib.holds_pairs(proposer)):
         with jax.named_scope("rebuild"):
@@ -368,7 +415,10 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
             shadow = proposer.shadow(state, choices, num_emit, spec)
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
-    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow)
+    logprobs = None
+    if spec.logprobs:  # each choice's, from the logits of the position that chose it
+        logprobs = logprobs_lib.columns(logits.reshape(B * T, -1), choices.reshape(-1)).reshape(B, T, -1)
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow, logprobs)
     return new_state, packed, features, chunk_out
 
 

@@ -33,6 +33,7 @@ from eagle3_jax.serving.protocol import (
     CompletionRequest,
     error_body,
 )
+from eagle3_jax.serving.render import ChatChoices, CompletionChoices
 
 
 class ApiError(Exception):
@@ -75,8 +76,10 @@ class Usage:
                                               "rejected_prediction_tokens": self.drafted - self.accepted}}
 
 
-def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | None, seed: int | None) -> dict:
-    """The live pool's arguments for one choice, checked: ApiError(400) naming what is wrong."""
+def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | None, seed: int | None,
+              outputs: dict) -> dict:
+    """The live pool's arguments for one choice (outputs: its penalty, logit_bias and logprobs arguments), checked:
+    ApiError(400) naming what is wrong."""
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     max_len = state.pool.engine.max_len
@@ -93,20 +96,23 @@ def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | Non
     given = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p}
     sampling = {k: state.defaults[k] if v is None else v for k, v in given.items()}
     return dict(prompt=prompt, max_new_tokens=max_tokens, stop_token_ids=list(dict.fromkeys(stops)), seed=seed,
-                **sampling)
+                **sampling, **outputs)
 
 
 # The request field the live pool's check names in its message (the first word found).
-_PARAMS = (("stop token", "stop_token_ids"), ("prompt", "prompt"), ("temperature", "temperature"),
-           ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"))
+_PARAMS = (("logit_bias", "logit_bias"), ("stop token", "stop_token_ids"), ("prompt", "prompt"),
+           ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
+           ("tensor-parallel", None))
 
 
 @dataclasses.dataclass
 class Piece:
-    """What a choice adds to its response at once: text, and the tokens it used."""
+    """What a choice adds to its response at once: text, the tokens it used and their logprobs (when asked for;
+    logprobs.TokenLogprobs each)."""
 
     text: str
     tokens: list[int]
+    logprobs: list | None = None
 
 
 class Generation:
@@ -121,6 +127,7 @@ class Generation:
         except ValueError as e:
             raise ApiError(400, str(e), param=next((p for word, p in _PARAMS if word in str(e)), None)) from None
         self.prompt = settings["prompt"]
+        self.prompt_logprobs: list | None = None  # with echo and logprobs: the prompt tokens' (its first None)
         self.usage = Usage(len(self.prompt))
         self.finish_reason: str | None = None
         self._request_id: int | None = None
@@ -149,6 +156,7 @@ class Generation:
                     (metrics.ttft if self.usage.completion_tokens == 0 else metrics.itl).observe(
                         now - (start if self.usage.completion_tokens == 0 else last))
                     last = now
+                self.prompt_logprobs = self.prompt_logprobs or event.prompt_logprobs
                 text, hit, used = self._text(event.tokens, event.finished)
                 self.usage.completion_tokens += used
                 # A round's tokens are its accepted drafts, then the target's own: the drafts past a stop string
@@ -162,7 +170,7 @@ class Generation:
                 elif event.finished:
                     self.finish_reason = event.finish_reason
                 if text or used:
-                    yield Piece(text, event.tokens[:used])
+                    yield Piece(text, event.tokens[:used], None if event.logprobs is None else event.logprobs[:used])
         finally:
             state.live.discard(request_id)
             if self.finish_reason is None:  # the client went away, or the handler failed
@@ -212,10 +220,11 @@ def _chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _choices(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None) -> list[Generation]:
+def _choices(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None,
+             outputs: dict) -> list[Generation]:
     """A request's choices, prompt-major (choice i n + j: prompt i's j-th), each checked before any is submitted.
     With a seed, choice j of each prompt takes seed + j: n seeded streams differ, and each is reproducible (the
-    first is the request's with n 1)."""
+    first is the request's with n 1). outputs: the penalty, logit_bias and logprobs arguments."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, f"a request has at most {MAX_CHOICES} choices (prompts x n), got {len(prompts)} prompts "
                             f"x n {body.n}", param="n")
@@ -223,7 +232,7 @@ def _choices(state: ServerState, body, prompts: list[list[int]], max_tokens: int
     for i, prompt in enumerate(prompts):
         for j in range(body.n):
             seed = None if body.seed is None else (body.seed + j) % SEED_LIMIT
-            choices.append(Generation(state, i * body.n + j, _settings(state, body, prompt, max_tokens, seed),
+            choices.append(Generation(state, i * body.n + j, _settings(state, body, prompt, max_tokens, seed, outputs),
                                       body.stop_strings()))
     return choices
 
@@ -337,58 +346,46 @@ def build_app(state: ServerState) -> FastAPI:
             prompts = body.prompts()
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
-        runs = _choices(state, body, [_prompt_ids(state, p) for p in prompts], body.max_tokens)
-
-        def choice(run, text, finish):
-            return {"index": run.index, "text": text, "logprobs": None, "finish_reason": finish}
-
+        ids = [_prompt_ids(state, p) for p in prompts]
+        # echo with logprobs: the prompt's too, from its own prefill (a prefix cache hit would hold no logits)
+        outputs = body.output_settings(body.logprobs, body.logprobs if body.echo else None)
+        runs = _choices(state, body, ids, body.max_tokens, outputs)
+        echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else None
         return await _respond(state, body, http, runs, "cmpl", "text_completion", "text_completion",
-                              lambda run, piece, finish: choice(run, piece.text if piece else "", finish),
-                              lambda run, text: choice(run, text, run.finish_reason))
+                              CompletionChoices(state.tokenizer, body.n, echo, body.logprobs is not None))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         body = await _read(http, ChatCompletionRequest)
         check_model(body.model)
         prompt = _chat_ids(state, body)
-        runs = _choices(state, body, [prompt], body.max_completion_tokens or body.max_tokens)
-        started = set()
-
-        def chunk(run, piece, finish):
-            text = piece.text if piece else ""
-            delta = {"content": text} if text else {}
-            if run.index not in started:
-                started.add(run.index)
-                delta = {"role": "assistant", "content": text}
-            return {"index": run.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-
+        runs = _choices(state, body, [prompt], body.max_completion_tokens or body.max_tokens,
+                        body.output_settings(body.logprob_count()))
         return await _respond(state, body, http, runs, "chatcmpl", "chat.completion", "chat.completion.chunk",
-                              chunk, lambda run, text: {"index": run.index,
-                                                        "message": {"role": "assistant", "content": text},
-                                                        "logprobs": None, "finish_reason": run.finish_reason})
+                              ChatChoices(state.tokenizer, body.logprob_count()))
 
     return app
 
 
 async def _respond(state: ServerState, body, http: Request, runs: list[Generation], prefix: str, kind: str,
-                   chunk_kind: str, chunk, choice):
-    """The whole response (`choice(run, text)` per choice), or the stream of chunks (`chunk(run, piece or None,
-    finish_reason or None)`), the choices' pieces interleaved as they come. Every choice is aborted as soon as the
-    client disconnects (`_watch`), not at the next chunk's send."""
+                   chunk_kind: str, choices):
+    """The whole response (`choices.whole(run, pieces)` per choice), or the stream of chunks (`choices.chunk(run,
+    piece or None, finish_reason or None)`), the choices' pieces interleaved as they come (render.py). Every choice is
+    aborted as soon as the client disconnects (`_watch`), not at the next chunk's send."""
     head = {"id": f"{prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": state.served_name}
     if not body.stream:
         watcher = asyncio.create_task(_watch(http, runs))  # a client gone before the answer: the choices abort
 
         async def whole(run):
-            return "".join([piece.text async for piece in run.pieces()])
+            return [piece async for piece in run.pieces()]
 
         try:
-            texts = await asyncio.gather(*(whole(run) for run in runs))
+            pieces = await asyncio.gather(*(whole(run) for run in runs))
         finally:
             watcher.cancel()
         if any(run.finish_reason == "error" for run in runs):
             raise ApiError(500, f"the pool failed: {state.pool.error!r}", "server_error")
-        return {**head, "object": kind, "choices": [choice(run, text) for run, text in zip(runs, texts)],
+        return {**head, "object": kind, "choices": [choices.whole(run, p) for run, p in zip(runs, pieces)],
                 "usage": _usage(runs, body.n).body()}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -410,7 +407,7 @@ async def _respond(state: ServerState, body, http: Request, runs: list[Generatio
                 run, piece = await queue.get()
                 left -= piece is None
                 yield _sse({**head, "object": chunk_kind,
-                            "choices": [chunk(run, piece, None if piece else run.finish_reason)]})
+                            "choices": [choices.chunk(run, piece, None if piece else run.finish_reason)]})
             if include_usage:
                 yield _sse({**head, "object": chunk_kind, "choices": [], "usage": _usage(runs, body.n).body()})
             yield "data: [DONE]\n\n"

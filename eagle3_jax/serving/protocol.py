@@ -12,26 +12,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from eagle3_jax.decoding.logprobs import TOP as MAX_LOGPROBS
+from eagle3_jax.decoding.penalties import BIAS_LIMIT, BIAS_WIDTH, PENALTY_LIMIT
 from eagle3_jax.decoding.request import is_int
 
 SEED_LIMIT = 2**64
 MAX_N = 16  # choices per prompt (`n`)
 MAX_CHOICES = 256  # choices per request: prompts x n
 NO_EFFECT = ("user", "metadata", "store")  # accepted fields that change nothing
-# Declared fields this server does not honour, refused whenever given a value that would change the output (the
-# reason names what to use instead, or why).
+# Declared fields this server does not honour, refused whenever given a value that would change the output.
 GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-NOT_YET = {
-    "logprobs": "logprobs are not served yet",
-    "top_logprobs": "logprobs are not served yet",
-    "echo": "echo is not served yet",
-    "frequency_penalty": "penalties are not served yet",
-    "presence_penalty": "penalties are not served yet",
-    "repetition_penalty": "penalties are not served yet",
-    "logit_bias": "logit_bias is not served yet",
-}
+Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)]
 
 
 class StreamOptions(BaseModel):
@@ -62,13 +55,12 @@ class _Generation(BaseModel):
     user: str | None = None
     metadata: dict | None = None
     store: bool | None = None
+    # vLLM's semantics: counts over the output; repetition_penalty (an extension) over prompt and output
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]] | None = None  # token id -> bias
     # Refused at a value that changes the output (`refusal`).
-    logprobs: object = None
-    top_logprobs: object = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict | None = None
     response_format: dict | None = None
     min_p: float | None = None
     min_tokens: int | None = None
@@ -79,8 +71,26 @@ class _Generation(BaseModel):
     guided_choice: object = None
     guided_grammar: object = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        if bias is not None:
+            if len(bias) > BIAS_WIDTH:
+                raise ValueError(f"at most {BIAS_WIDTH} tokens, got {len(bias)}")
+            for key in bias:
+                if not key.isdigit():
+                    raise ValueError(f"keys are token ids, got {key!r}")
+        return bias
+
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def output_settings(self, logprobs: int | None, prompt_logprobs: int | None = None) -> dict:
+        """The live pool's penalty, logit_bias and logprobs arguments (LivePool.check)."""
+        return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def refusal(self) -> tuple[str, str] | None:
         """(field, message) for the first field given that would change the output and that this server does not
@@ -100,18 +110,14 @@ class _Generation(BaseModel):
             return "min_tokens", "`min_tokens` is not supported by this server"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs", "`prompt_logprobs` is not supported by this server (use echo with logprobs)"
-        neutral = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
-                   "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-                   "logit_bias": (None, {})}
-        for name, reason in NOT_YET.items():
-            if getattr(self, name, None) not in neutral[name]:
-                return name, f"`{name}`: {reason}"
         return None
 
 
 class CompletionRequest(_Generation):
     prompt: str | list  # text, token ids, or a list of either (`prompts`)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (and with logprobs, the prompt's logprobs)
+    # each token's logprob and the most likely tokens at its position, this many (OpenAI's legacy completions)
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -154,6 +160,8 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # newer clients' name for max_tokens
     chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": false} for Qwen3's template
+    logprobs: StrictBool | None = None  # each token's logprob, and top_logprobs most likely tokens at its position
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict] | None = None  # given to the chat template; served only with tool_choice "none"
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
@@ -167,7 +175,13 @@ class ChatCompletionRequest(_Generation):
                                 f"give `{choice}` \"none\"")
             if not getattr(self, tools) and chosen not in (None, "none", "auto"):
                 return choice, f"`{choice}` {chosen!r} names a tool, and no `{tools}` were given"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "`top_logprobs` needs `logprobs` true"
         return super().refusal()
+
+    def logprob_count(self) -> int | None:
+        """The alternatives each token reports with its logprob, None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template renders (functions as tools), None without any."""
