@@ -28,6 +28,7 @@ from eagle3_jax.cli import main
 from eagle3_jax.serving.server import OPENAI_DEFAULTS, request_defaults
 
 import spec_worlds as worlds
+from test_outputs import SETTINGS, TOLERANCE, oracle_logprobs, reference
 
 MAX_LEN, GAMMA, EOS = 64, 2, 47
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,16 +36,20 @@ TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if a
             "{% if enable_thinking is defined and not enable_thinking %} w4{% endif %}")
 
 
+def save_tokenizer(folder: Path) -> None:
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(worlds.V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     _, target = worlds.save_target("permutation", root / "target", layers=4)
     worlds.save_drafter("pi2", root / "drafter", target)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(worlds.V)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(root / "target")
+    save_tokenizer(root / "target")
     return root
 
 
@@ -544,3 +549,151 @@ def test_omitted_settings_come_from_generation_config_else_openais_temperature_1
     assert request_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "top_p": 1.0}
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')  # no do_sample: greedy
     assert request_defaults(tmp_path)["temperature"] == 0.0
+
+
+# The random world, for values worth checking: transformers' float32 forward of its target is the oracle of
+# logprobs, and of penalties applied greedily (tests/test_outputs.py's reference).
+
+
+@pytest.fixture(scope="module")
+def random_world(tmp_path_factory):
+    """(folders, the target's transformers model in float32): the random target and drafter, the word tokenizer."""
+    root = tmp_path_factory.mktemp("serve_random")
+    model, target = worlds.save_target("random", root / "target", layers=4)
+    worlds.save_drafter("random", root / "drafter", target)
+    save_tokenizer(root / "target")
+    return root, model.float()
+
+
+@pytest.fixture(scope="module")
+def oracle_server(random_world):
+    """Speculative (gamma 2) over the random world, pages of 8 tokens (prompts longer than one hit the cache)."""
+    s = Server(random_world[0], "--max-batch", "4", "--page-size", "8")
+    yield s
+    s.stop()
+
+
+def check_completion_logprobs(logprobs, model, prompt, tokens, k, echo=False):
+    """OpenAI's legacy shape against the oracle: each token's text and logprob, a dict of the k most likely tokens'
+    texts and the chosen one's (None for an echoed prompt's first), offsets the running sum of the texts."""
+    lp = oracle_logprobs(model, prompt + tokens)
+    shown = (prompt if echo else []) + tokens
+    assert logprobs.tokens == [f"w{t}" for t in shown]
+    assert logprobs.text_offset == [sum(len(f"w{t}") for t in shown[:i]) for i in range(len(shown))]
+    positions = range(1, len(prompt) + len(tokens)) if echo else range(len(prompt), len(prompt) + len(tokens))
+    if echo:
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for got, top, at in zip(logprobs.token_logprobs[int(echo):], logprobs.top_logprobs[int(echo):], positions):
+        row, token = lp[at - 1], (prompt + tokens)[at]
+        assert abs(got - row[token]) < TOLERANCE
+        best = np.argsort(-row, kind="stable")[:k].tolist()
+        assert set(top) == {f"w{t}" for t in best + [token]}
+        assert all(abs(v - row[int(name[1:])]) < TOLERANCE for name, v in top.items())
+        assert max(top.values()) == pytest.approx(row.max(), abs=TOLERANCE)
+
+
+def test_logprobs_equal_transformers_whole_and_streamed(oracle_server, random_world):
+    client, model = oracle_server.client(), random_world[1]
+    prompt = [3, 17, 5, 9]
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=5,
+                                    extra_body={"ignore_eos": True})
+    tokens = [int(w[1:]) for w in got.choices[0].logprobs.tokens]
+    assert tokens == reference(model, prompt, 10)
+    check_completion_logprobs(got.choices[0].logprobs, model, prompt, tokens, 5)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=5,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert len(streamed) > 2  # a chunk per call, each with its own tokens' logprobs
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(x, field) for x in streamed), []) == getattr(got.choices[0].logprobs, field)
+    chat_prompt = PreTrainedTokenizerFast.from_pretrained(random_world[0] / "target")("w1 w5 w6 w2 w3")["input_ids"]
+    for stream in (False, True):
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w6"}],
+                                              max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                                              stream=stream, extra_body={"ignore_eos": True})
+        content = [e for c in chat for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])] \
+            if stream else chat.choices[0].logprobs.content
+        tokens = [int(e.token[1:]) for e in content]
+        lp = oracle_logprobs(model, chat_prompt + tokens)
+        assert tokens == reference(model, chat_prompt, 8)
+        for i, (e, token) in enumerate(zip(content, tokens)):
+            row = lp[len(chat_prompt) - 1 + i]
+            assert abs(e.logprob - row[token]) < TOLERANCE and e.bytes == list(e.token.encode())
+            assert [x.token for x in e.top_logprobs] == [f"w{t}" for t in np.argsort(-row, kind="stable")[:3]]
+
+
+def test_echo_with_prompt_logprobs_is_lm_evals_loglikelihood(oracle_server, random_world):
+    """max_tokens 1, logprobs 1, echo, temperature 0 (lm-evaluation-harness's request), for a prompt whose first
+    pages the cache holds from a request before: its logprobs are still computed whole (the prompt bypasses the
+    cache), as text, token ids and batches of each (as lm-eval sends them)."""
+    client, model = oracle_server.client(), random_world[1]
+    prompt = [(7 * i + 3) % 47 + 1 for i in range(20)]
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)  # caches two pages of 8
+    for given in (prompt, words(prompt), [words(prompt)] * 2, [prompt] * 2):
+        got = client.completions.create(model="tiny", prompt=given, max_tokens=1, logprobs=1, echo=True,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        for choice in got.choices:
+            assert choice.text.startswith(words(prompt))
+            check_completion_logprobs(choice.logprobs, model, prompt, reference(model, prompt, 1), 1, echo=True)
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, temperature=0)
+    assert echoed.choices[0].text.startswith(words(prompt)) and echoed.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_equal_a_greedy_reference(oracle_server, random_world):
+    client, (_, model) = oracle_server.client(), random_world
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(random_world[0] / "target")
+    prompt = [3, 17, 5, 9, 30, 2]
+    for settings in SETTINGS:
+        body = dict(frequency_penalty=settings.get("frequency"), presence_penalty=settings.get("presence"),
+                    logit_bias={str(t): b for t, b in settings["bias"].items()} if "bias" in settings else None)
+        extra = {"ignore_eos": True} | ({"repetition_penalty": settings["repetition"]} if "repetition" in settings
+                                        else {})
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=14, temperature=0,
+                                        extra_body=extra, **{k: v for k, v in body.items() if v is not None})
+        want = reference(model, prompt, 14, **settings)
+        assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), settings
+
+
+def test_speculative_equals_spec_off_with_every_field_set(oracle_server, random_world):
+    """Prompt lists, n, penalties, logit_bias, logprobs and echo together through the speculative server equal
+    spec-off Engine.generate with the same settings: the tokens, and the logprobs within TOLERANCE."""
+    folder, _ = random_world
+    target = eagle3_jax.load_target(folder / "target", dtype="float32", progress=False)
+    prompts = [[3, 17, 5, 9], [40, 2, 11]]
+    settings = dict(frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.4, logit_bias={9: 2.5, 4: -3.0})
+    results = eagle3_jax.Engine(target, max_len=MAX_LEN).generate(
+        prompts, 12, [EOS], **settings, logprobs=2, prompt_logprobs=2)
+    got = oracle_server.client().completions.create(
+        model="tiny", prompt=prompts, max_tokens=12, temperature=0, n=2, echo=True, logprobs=2,
+        frequency_penalty=0.6, presence_penalty=0.3, logit_bias={"9": 2.5, "4": -3.0},
+        extra_body={"repetition_penalty": 1.4})
+    for i, result in enumerate(results):
+        for choice in got.choices[2 * i : 2 * i + 2]:
+            logprobs = choice.logprobs
+            assert logprobs.tokens == [f"w{t}" for t in prompts[i] + result.token_ids]
+            want = [None] + [e.logprob for e in result.prompt_logprobs[1:]] + [e.logprob for e in result.logprobs]
+            assert logprobs.token_logprobs[0] is None
+            assert np.allclose(logprobs.token_logprobs[1:], want[1:], atol=TOLERANCE)
+
+
+LOGPROB_BAD = [  # (endpoint, body, the field named)
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"presence_penalty": -3}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"logit_bias": {"w3": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"3": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"48": 1}}, "logit_bias"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": 1}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, field", LOGPROB_BAD)
+def test_bad_logprobs_and_penalties_are_refused_naming_the_field(server, endpoint, body, field):
+    request = {"model": "tiny", "max_tokens": 4, **body}
+    request |= {"prompt": [1, 2]} if endpoint == "completions" else {"messages": [{"role": "user", "content": "w5"}]}
+    response = httpx.post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions", json=request)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.json()

@@ -33,7 +33,7 @@ class CompletionChoices:
     """/v1/completions' choices. echo: each prompt's text by prompt index (None: no echo); logprobs: whether asked."""
 
     def __init__(self, tokenizer, n: int, echo: list[str] | None, logprobs: bool):
-        self._text, self._n, self._echo, self._logprobs = _Texts(tokenizer), n, echo, logprobs
+        self._text, self._n, self._echo, self._asked = _Texts(tokenizer), n, echo, logprobs
         self._offsets: dict[int, int] = {}  # each choice's text_offset so far
 
     def _head(self, run) -> tuple[str, list[int], list]:
@@ -44,7 +44,7 @@ class CompletionChoices:
         return self._echo[run.index // self._n], list(run.prompt), entries
 
     def _logprobs(self, run, tokens: list[int], entries: list) -> dict | None:
-        if not self._logprobs:
+        if not self._asked:
             return None
         texts = [self._text(t) for t in tokens]
         offsets, at = [], self._offsets.get(run.index, 0)
