@@ -7,6 +7,7 @@ round is accepted and second never: acceptance is known exactly. Its tokenizer i
 the word "wi", w47 the end of sequence) with a small chat template."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -697,3 +698,83 @@ def test_bad_logprobs_and_penalties_are_refused_naming_the_field(server, endpoin
     request |= {"prompt": [1, 2]} if endpoint == "completions" else {"messages": [{"role": "user", "content": "w5"}]}
     response = httpx.post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions", json=request)
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.json()
+
+
+GENERATE_TASK = """task: e3_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["{stop}"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+CHOICE_TASK = """task: e3_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.mark.lm_eval
+@pytest.mark.parametrize("tokenized", [True, False])
+def test_lm_evaluation_harness_against_the_server(oracle_server, random_world, tmp_path, tokenized, monkeypatch):
+    """lm-evaluation-harness 0.4.13's `local-completions` against the served random world, token ids or text: a
+    generate_until task (its answers the oracle's greedy continuations, cut at the stop string) and a multiple-choice
+    one (each choice's loglikelihood the oracle's: lm-eval reads the echoed prompt's logprobs after the context, and
+    whether the continuation is greedy), both defined here with no download."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    folder, model = random_world
+    rng = np.random.default_rng(7)
+    contexts = [rng.integers(1, 47, size=int(n)).tolist() for n in (5, 9, 3)]
+    stop = "w9"
+    generate = [{"context": words(c), "target": words(reference(model, c, 2))} for c in contexts]
+    choices = [{"context": words(c), "choices": [words(rng.integers(1, 47, size=k).tolist()) for k in (1, 2, 3)],
+                "label": 1} for c in contexts]
+    greedy = reference(model, contexts[0], 2)
+    choices[0]["choices"][0] = words(greedy[:1])  # a greedy continuation: is_greedy must say so
+    for name, rows, task in (("generate", generate, GENERATE_TASK), ("choice", choices, CHOICE_TASK)):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / f"{name}.yaml").write_text(task.format(data=data, stop=stop))
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["e3_generate", "e3_choice"], task_manager=TaskManager(
+            include_path=str(tmp_path)), log_samples=True, bootstrap_iters=0,
+        model_args={"base_url": oracle_server.url + "/v1/completions", "model": "tiny",
+                    "tokenizer": str(folder / "target"), "tokenizer_backend": "huggingface",
+                    "tokenized_requests": tokenized, "max_length": MAX_LEN})
+    assert [len(results["samples"][task]) for task in ("e3_generate", "e3_choice")] == [3, 3]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "target")
+    for sample in results["samples"]["e3_generate"]:
+        tokens = reference(model, [int(w[1:]) for w in sample["doc"]["context"].split()], 8)
+        tokens = tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+        assert sample["resps"][0][0] == tokenizer.decode(tokens, skip_special_tokens=True).split(stop)[0]
+    for sample in results["samples"]["e3_choice"]:
+        context = [int(w[1:]) for w in sample["doc"]["context"].split()]
+        for choice, (loglikelihood, is_greedy) in zip(sample["doc"]["choices"], (r[0] for r in sample["resps"])):
+            continuation = [int(w[1:]) for w in choice.split()]
+            lp = oracle_logprobs(model, context + continuation)
+            rows = lp[len(context) - 1 : -1]
+            assert abs(loglikelihood - sum(r[t] for r, t in zip(rows, continuation))) < TOLERANCE
+            assert is_greedy == all(int(np.argmax(r)) == t for r, t in zip(rows, continuation))
+    greedy_flags = [r[0][1] for r in results["samples"]["e3_choice"][0]["resps"]]
+    assert greedy_flags[0]  # the planted greedy continuation (the check can fail)
