@@ -18,7 +18,6 @@ import json
 import secrets
 import time
 
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,17 +28,13 @@ from eagle3_jax.serving.metrics import Metrics
 from eagle3_jax.serving.protocol import (
     MAX_CHOICES,
     SEED_LIMIT,
+    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    read_body,
 )
 from eagle3_jax.serving.render import ChatChoices, CompletionChoices
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 @dataclasses.dataclass
@@ -251,34 +246,6 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _read(http: Request, model: type[pydantic.BaseModel]):
-    """The request's body as `model`, checked: a body that is not JSON, or not labelled as JSON, is refused with a
-    message saying so; a field of the wrong type or range, or one the server does not honour, names the field."""
-    kind = http.headers.get("content-type", "")
-    if kind.split(";")[0].strip().lower() != "application/json":
-        raise ApiError(400, f"the body must be JSON, sent with 'Content-Type: application/json' (got "
-                            f"{kind or 'no content type'!r})")
-    try:
-        data = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    try:
-        body = model.model_validate(data)
-    except pydantic.ValidationError as e:
-        parts, params = [], []
-        for err in e.errors():
-            where = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-            params.append(str(err["loc"][0]) if err.get("loc") else None)
-        raise ApiError(400, "; ".join(parts) or "invalid request", param=params[0] if params else None) from None
-    refused = body.refusal()
-    if refused is not None:
-        raise ApiError(400, refused[1], param=refused[0])
-    return body
-
-
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="eagle3-jax", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -340,7 +307,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: Request):
-        body = await _read(http, CompletionRequest)
+        body = await read_body(http, CompletionRequest)
         check_model(body.model)
         try:
             prompts = body.prompts()
@@ -356,7 +323,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        body = await _read(http, ChatCompletionRequest)
+        body = await read_body(http, ChatCompletionRequest)
         check_model(body.model)
         prompt = _chat_ids(state, body)
         runs = _choices(state, body, [prompt], body.max_completion_tokens or body.max_tokens,

@@ -1,5 +1,5 @@
 """The request bodies of the OpenAI-compatible endpoints, as pydantic models, the checks types cannot express,
-and the OpenAI-style error body.
+reading a body into its model (`read_body`), and the OpenAI-style error.
 
 Refuse, never ignore: a client that gets a 200 for a field the server ignored computes wrong results and never
 knows. The models declare every field the server reads; a declared field the server does not honour is refused
@@ -10,8 +10,10 @@ unknown field may change the output: it is named in the 400). Fields that change
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from eagle3_jax.decoding.logprobs import TOP as MAX_LOGPROBS
@@ -187,6 +189,43 @@ class ChatCompletionRequest(_Generation):
         """The tools the chat template renders (functions as tools), None without any."""
         tools = list(self.tools or []) + [{"type": "function", "function": f} for f in self.functions or []]
         return tools or None
+
+
+class ApiError(Exception):
+    """A request the server answers with OpenAI's error body (status, message, type, the field at fault)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+async def read_body(http, model: type[BaseModel]):
+    """The body of `http` (a starlette Request) as `model`, checked: a body that is not JSON, or not labelled as
+    JSON, is refused with a message saying so; a field of the wrong type or range, or one the server does not honour,
+    is refused naming the field (ApiError, 400)."""
+    kind = http.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(400, f"the body must be JSON, sent with 'Content-Type: application/json' (got "
+                            f"{kind or 'no content type'!r})")
+    try:
+        data = json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        body = model.model_validate(data)
+    except pydantic.ValidationError as e:
+        parts, params = [], []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+            params.append(str(err["loc"][0]) if err.get("loc") else None)
+        raise ApiError(400, "; ".join(parts) or "invalid request", param=params[0] if params else None) from None
+    refused = body.refusal()
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0])
+    return body
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
