@@ -17,7 +17,8 @@ Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one
 values never recompile. An Engine has three builds of its steps: the greedy one, which a request whose rows
 are all greedy runs (no sampling work at all), and two sampling ones, which run any request with a sampled
 row and handle greedy rows beside them: the candidate filter's when every sampled row's top_k is in [1, 64],
-else the radix search's (sampling.filter_for). Each compiles once, when first needed.
+else the radix search's (sampling.filter_for). Each has variants with penalties and logit_bias (penalties.py) and
+with logprobs (logprobs.py), which only a request that has them runs. Each compiles once, when first needed.
 
 num_draft_tokens="auto" builds one step per gamma 0 .. max_draft_tokens (StepSpec.gamma; the DecodeState
 is the same pytree for all, so the pool's donated state flows from one to another and a change of gamma
@@ -460,8 +461,9 @@ class Engine:
             return self._given_costs(batch, length)
         template = template or self.greedy_template()
         spec = self.build_for(template)
-        # each build its own costs: False greedy, else its filter; and with penalties, with logprobs
-        build = (spec.filter if spec.sampling else False, spec.penalties, spec.logprobs)
+        build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
+        if spec.penalties or spec.logprobs:  # ... and its variant with penalties or logprobs
+            build = (build, spec.penalties, spec.logprobs)
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
                       "rounds_per_call": self.rounds_per_call, "gammas": self.gammas}

@@ -13,7 +13,8 @@ Requests of different settings share the pool: every row carries its own samplin
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
 rounds runs the engine's greedy build when every running row is greedy, else the sampling build of the running
 rows' settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
-the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
+the sampling build (the radix filter there), whose sharded steps carry the rows' settings. A call with rows that have
+penalties or ask for logprobs runs that build's variant with them (Step.penalties, Step.logprobs). Under
 num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with the round costs of the pool's
 current size.
 

@@ -27,6 +27,12 @@ whole pages (at least its last token is computed) and its chunks start after the
 committed KV join the cache as its chunks write them, and as its rounds commit them once its drafter's KV is up to
 date (every call that drafts, or that brings a held drafter up to date).
 
+Penalties and logprobs: a call whose rows (or the rows its chunk installs) have penalties or ask for logprobs runs
+the build with them (`Step.penalties`, `Step.logprobs`); a penalized sequence's last chunk brings its whole
+sequence (`ChunkPlan.history`), over which its penalties count. A prompt whose own logprobs are asked for takes no
+cached prefix (a page holds no logits) and its chunks run as calls of their own, which report them
+(`ChunkPlan.prompt_segments`); `read` keeps them on the request until its first token's event carries them.
+
 While some running row surely needs another call (more tokens left than the call in flight can emit), the
 next call is planned before the one in flight is read, so the device does not idle on the host. While requests
 wait for slots, only when every running row needs it: a slot freed by the call in flight is then refilled
