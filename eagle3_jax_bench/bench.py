@@ -13,7 +13,7 @@ synchronised with block_until_ready; random data, never zeros; functions are com
 timed region (`lower().compile()`), so nothing can recompile inside it. Spec-off steps and whole rounds
 are timed as the engine runs them, `--rounds-per-call` rounds to a call, and reported per round.
 
-This module is the command line and the summary; the rows are dense.py's, moe.py's, sampling.py's and
+This module is the command line and the summary; the rows are dense.py's, moe.py's, sampling.py's, outputs.py's and
 checks.py's.
 """
 
