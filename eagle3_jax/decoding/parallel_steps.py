@@ -88,7 +88,7 @@ def jit_empty(spec, batch, width, stop_width, dtype, *, mesh):
 
 
 def _chunk_specs(chunk):
-    return None if chunk is None else jax.tree.map(lambda _: P(), chunk)  # a chunk is replicated
+    return None if chunk is None else jax.tree.map(lambda _: P(), chunk)  # chunks are replicated
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("state",))
@@ -100,11 +100,11 @@ def jit_prefill(tparams, dparams, state, chunk, *, spec, mesh):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "num_rounds", "mesh"), donate_argnames=("state",))
-def jit_rounds(tparams, dparams, state, chunk=None, *, spec, num_rounds, mesh):
+def jit_rounds(tparams, dparams, state, rows=None, chunks=None, *, spec, num_rounds, mesh):
     fn = functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=num_rounds)
     states = state_specs(spec)
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states, _chunk_specs(chunk)), (states, P()))(
-        tparams, dparams, state, chunk)
+    in_specs = (*_param_specs(spec, dparams), states, None if rows is None else P(), _chunk_specs(chunks))
+    return _mapped(fn, mesh, in_specs, (states, P()))(tparams, dparams, state, rows, chunks)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",))

@@ -1,5 +1,6 @@
 """A pool of decoding slots on the device: its rows (spec_round.new_rows) are allocated once; a prompt's last
-chunk installs its row into a free slot (spec_round.admit) while the other slots keep theirs.
+chunk installs its row into a free slot (spec_round.admit) while the other slots keep theirs, and each call of
+rounds gathers the slots it computes and writes them back (spec_round.spec_rounds).
 
 The pool is a `DecodeState` of N rows over the engine's page pools. A free slot is a row that is done
 (frozen: rounds change nothing it owns and write nothing). The operations here move and stop rows, and read and
@@ -10,19 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-
 from eagle3_jax.decoding import spec_round
-
-
-def resize(rows: spec_round.DecodeState, index) -> spec_round.DecodeState:
-    """A pool of len(index) slots whose slot i holds the row of slot index[i]; an index at or past the pool's
-    size makes a free slot (a copy of some row, done). Growing or shrinking a live pool: the rows keep their
-    pages and settings whatever slot they move to."""
-    n = rows.done.shape[0]
-    moved = jax.tree.map(lambda x: x[jnp.minimum(index, n - 1)], rows)
-    return dataclasses.replace(moved, done=moved.done | (index >= n))
 
 
 def release(rows: spec_round.DecodeState, slots) -> spec_round.DecodeState:
