@@ -175,19 +175,18 @@ def test_stops_and_max_new_inside_accepted_spans(world):
 
 
 def test_calls_update_the_pages_and_rows_in_place(world):
-    """An exact engine's chunk in a call of its own, and a call of rounds over a bucket of the pool's rows with a
-    chunk in every round, donate their state, page pools and rows alike: nothing is copied."""
+    """An exact engine's chunk in a call of its own, and a call of rounds with a chunk in every round, donate their
+    state, page pools and rows alike: nothing is copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, max_batch=3)
     params = (target.params, drafter.params)
     rows = engine_lib.jit_empty(engine.spec, 3, engine.table_width, 8, np.float32)
     plan = empty_chunk(engine.prefill_chunk, engine.prefill_sequences, engine.table_width, 8, 3, alone=False,
                        rounds=4)
-    chunks = jax.device_put(device_chunks(plan, np.arange(2), 3))
+    chunks = jax.device_put(device_chunks(plan))
     state = with_pages(rows, engine.page_pool.arrays)
     after_chunk, _ = engine_lib.jit_prefill(*params, state, jax.tree.map(lambda x: x[0], chunks), spec=engine.spec)
-    after_call, _ = engine_lib.jit_rounds(*params, after_chunk, jax.device_put(np.arange(2, dtype=np.int32)),
-                                          chunks, spec=engine.spec, num_rounds=4)
+    after_call, _ = engine_lib.jit_rounds(*params, after_chunk, chunks, spec=engine.spec, num_rounds=4)
 
     def buffers(s):
         return [x for pool in (s.target_pages, s.draft_pages) for x in pool.k + pool.v] + jax.tree.leaves(

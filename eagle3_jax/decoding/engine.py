@@ -31,13 +31,16 @@ num_draft_tokens="auto" is refused (its round costs and held pairs are one devic
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import gc
+import os
 import queue
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import (
@@ -374,52 +377,50 @@ class Engine:
                                top_p=top_p, seed=seed)
         return ((e.request, e.tokens) for e in self._events(request) if e.tokens)
 
-    def compile(self, *, samples: bool = False, top_k: int = 0) -> int:
-        """Runs every call a pool of max_batch slots can run once, on free rows (nothing is written), so that no
-        later request waits on XLA: at every row bucket (live_plan.row_buckets), the call of rounds of every gamma
-        (under "auto", also holding its pairs) without prompt tokens and with them (every round carrying a chunk;
-        an exact engine's chunk runs in a call of its own, compiled once); greedy, or when `samples` the sampling
-        build that rows of this `top_k` take (0: the radix build, for any settings; 1 to 64, as Qwen3's 20: the
-        candidate build; on a mesh the radix build either way). Under "auto" it also measures (or loads) the round
-        costs of every bucket, with and without prompt tokens. Returns how many calls ran."""
+    def compile(self, *, samples: bool = False, top_k: int = 0, threads: int | None = None) -> int:
+        """Compiles every program a pool of max_batch slots can run, without running them, so that no later
+        request waits on XLA: at every row bucket (live_plan.row_buckets), the call of rounds of every gamma
+        (under "auto", also holding its pairs) without prompt tokens and with them (a chunk in every round; an
+        exact engine's chunk runs in a call of its own instead, compiled once), and the pool's gather and scatter
+        of each bucket's rows; greedy, or when `samples` the sampling build that rows of this `top_k` take (0: the
+        radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
+        either way). `threads` programs compile at once (None: one per CPU core; XLA's compiler releases the
+        interpreter while it works). Under "auto" it also measures (or loads) the round costs of every bucket,
+        with and without prompt tokens. Returns how many programs it compiled."""
         template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
         spec = self.build_for(template)
         steps, pages = self.steps, self.page_pool
         params = (self.target.params, self.draft_params)
-        stop_width = int(template.stop_ids.shape[1])
-        rows = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, self.target.params["embed"].dtype)
-        calls = 0
+        stop_width, dtype = int(template.stop_ids.shape[1]), self.target.params["embed"].dtype
+        pool = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, dtype)
+        jobs = []  # (step, args, kwargs): compiled with real arrays, so that jit's cache keys match a call's
         pages.acquire()
         try:
             for bucket in live_plan.row_buckets(self.max_batch):
-                index = self._bucket_rows(bucket)
+                rows = steps.empty(self.spec, bucket, self.table_width, stop_width, dtype)
+                state = spec_round.with_pages(rows, pages.arrays)
                 for mixed in (False,) if self.spec.exact else (False, True):
                     chunks = steps.put(self._empty_chunks(stop_width, bucket)) if mixed else None
-                    for call in self._calls(mixed):
-                        call_spec = dataclasses.replace(spec, gamma=call.gamma, flush=call.flush)
-                        state, packed = steps.rounds(*params, spec_round.with_pages(rows, pages.arrays), index,
-                                                     chunks, spec=call_spec, num_rounds=self.rounds_per_call)
-                        rows, pages.arrays = spec_round.split_pages(state)
-                        steps.fetch(packed)
-                        calls += 1
-            if self.spec.exact:  # its chunks' call of their own
+                    jobs += [(steps.rounds, (*params, state, chunks),
+                              dict(spec=dataclasses.replace(spec, gamma=call.gamma, flush=call.flush),
+                                   num_rounds=self.rounds_per_call)) for call in self._calls(mixed)]
+                if bucket < self.max_batch:
+                    index = steps.put(np.arange(bucket, dtype=np.int32))
+                    jobs += [(live.jit_take, (pool, index), {}), (live.jit_put, (pool, index, rows), {})]
+            jobs.append((live.jit_release, (pool, steps.put(np.zeros((self.max_batch,), np.int32))), {}))
+            if self.spec.exact:  # its chunks' call of their own, over the pool's slots
                 chunk = jax.tree.map(lambda x: x[0], live.device_chunks(self._chunk_plan(stop_width, 1, alone=True)))
-                state, packed = steps.prefill(*params, spec_round.with_pages(rows, pages.arrays), steps.put(chunk),
-                                              spec=self.prefill_build(spec))
-                rows, pages.arrays = spec_round.split_pages(state)
-                steps.fetch(packed)
-                calls += 1
+                jobs.append((steps.prefill, (*params, spec_round.with_pages(pool, pages.arrays), steps.put(chunk)),
+                             dict(spec=self.prefill_build(spec))))
+            with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as workers:
+                list(workers.map(lambda job: parallel_steps.compile_ahead(job[0], *job[1], **job[2]), jobs))
         finally:
             pages.release()
         if self.auto:  # every bucket's round costs, measured now (or loaded) rather than on a request's first use
             for bucket in live_plan.row_buckets(self.max_batch):
                 for mixed in (False, True):
                     self.round_costs(bucket, 0.0, template, mixed)
-        return calls
-
-    def _bucket_rows(self, bucket: int):
-        """A call's `rows` argument for a bucket of the first `bucket` slots (None: every slot), on the device."""
-        return None if bucket == self.max_batch else self.steps.put(jax.numpy.arange(bucket, dtype=jax.numpy.int32))
+        return len(jobs)
 
     def _chunk_plan(self, stop_width: int, rounds: int, alone: bool = False):
         """Chunks of no prompt token (live_plan.empty_chunk) at this engine's widths, one per round."""
@@ -427,9 +428,9 @@ class Engine:
                                      self.max_batch, alone, self.max_len if self.keeps_history else 0, rounds)
 
     def _empty_chunks(self, stop_width: int, bucket: int) -> spec_round.Chunk:
-        """A mixed call's chunks of no prompt token, as the pool passes them for a bucket of the first slots."""
-        return live.device_chunks(self._chunk_plan(stop_width, self.rounds_per_call),
-                                  None if bucket == self.max_batch else jax.numpy.arange(bucket), self.max_batch)
+        """A mixed call's chunks of no prompt token, as the pool passes them to a call of `bucket` rows."""
+        return live.device_chunks(self._chunk_plan(stop_width, self.rounds_per_call), np.arange(bucket),
+                                  self.max_batch)
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -449,7 +450,7 @@ class Engine:
         build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
-                      "rounds_per_call": self.rounds_per_call, "gammas": self.gammas, "max_batch": self.max_batch,
+                      "rounds_per_call": self.rounds_per_call, "gammas": self.gammas,
                       "prefill_chunk": self.prefill_chunk, "prefill_sequences": self.prefill_sequences}
             lengths = round_costs.grid_lengths(self.max_len, round_costs.margin(self.rounds_per_call,
                                                                                 self.num_draft_tokens))
@@ -473,8 +474,8 @@ class Engine:
 
     def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None,
                   flush: bool | None = None, mixed: bool = False) -> float:
-        """Seconds per call of rounds of `gamma` over a bucket of `batch` rows of a dummy pool of max_batch slots at
-        KV `length`, carrying a chunk's tokens in every round when `mixed` (chunks of no sequence: the forward's
+        """Seconds per call of rounds of `gamma` over a bucket of `batch` rows (a dummy pool's) at KV `length`,
+        carrying a chunk's tokens in every round when `mixed` (chunks of no sequence: the forward's
         width is the same whatever they hold), of the template request's build and widths (None: greedy, one stop
         id): the pool's own compiled call; not in `device_events`, which records requests. flush None at gamma 0
         under "auto": the mean over a cycle of FLUSH_CALLS calls, one of which flushes (a call that carries prompt
@@ -487,16 +488,15 @@ class Engine:
         spec = dataclasses.replace(self.build_for(template), gamma=gamma, flush=flush is not False)
         params, pages, steps = (self.target.params, self.draft_params), self.page_pool, self.steps
         stop_width = int(template.stop_ids.shape[1])
-        rows = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, self.target.params["embed"].dtype)
-        table = round_costs.timing_table(self.max_batch, pages.num_pages, self.table_width)
+        rows = steps.empty(self.spec, batch, self.table_width, stop_width, self.target.params["embed"].dtype)
+        table = round_costs.timing_table(batch, pages.num_pages, self.table_width)
         state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), steps.put(table), length,
                                         self.target.config.vocab_size, self.max_len)
-        index = self._bucket_rows(batch)
         chunks = steps.put(self._empty_chunks(stop_width, batch)) if mixed else None
         seconds, state = round_costs.time_calls(
             # The engine's own steps (sharded on a mesh), its arguments passed as the pool passes them (by
             # position): jit keys its cache on how arguments are passed.
-            lambda s: steps.rounds(*params, s, index, chunks, spec=spec, num_rounds=self.rounds_per_call), state)
+            lambda s: steps.rounds(*params, s, chunks, spec=spec, num_rounds=self.rounds_per_call), state)
         _, pages.arrays = spec_round.split_pages(state)
         return seconds
 

@@ -42,6 +42,8 @@ STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry th
 THREAD_STACK_BYTES = 256 * 2**20  # the pool thread's stack (reserved address space, committed only as used)
 
 jit_release = jax.jit(slots.release, donate_argnames=("rows",))
+jit_take = jax.jit(slots.take)
+jit_put = jax.jit(slots.put, donate_argnames=("rows",))
 
 
 class LivePool:
@@ -242,8 +244,10 @@ class LivePool:
             self._rows = steps.empty(engine.spec, step.allocate, engine.table_width, self.stop_width,
                                      engine.target.params["embed"].dtype)
         stopped = step.release + step.preempt
-        if stopped:
-            self._rows = jit_release(self._rows, steps.put(np.array(stopped, np.int32)))
+        if stopped:  # padded to the pool's slots (past them: dropped), so that one compilation serves every count
+            index = np.full((scheduler.capacity,), scheduler.capacity, np.int32)
+            index[: len(stopped)] = stopped
+            self._rows = jit_release(self._rows, steps.put(index))
         if step.page_table is not None:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
         chunk = step.chunk
@@ -254,11 +258,13 @@ class LivePool:
             mixed = chunk is not None and not chunk.alone
             width = step.owners.shape[1]
             self._events.append(("call", (engine.rounds_per_call, width, chunk.prompt_tokens if mixed else 0)))
-            rows = None if step.rows is None else steps.put(step.rows)
+            index = None if step.rows is None else steps.put(step.rows)
             on_device = steps.put(device_chunks(chunk, step.rows, scheduler.capacity)) if mixed else None
-            state = spec_round.with_pages(self._rows, pages.arrays)
-            state, packed = steps.rounds(*params, state, rows, on_device, spec=spec, num_rounds=engine.rounds_per_call)
-            self._rows, pages.arrays = spec_round.split_pages(state)
+            rows = self._rows if index is None else jit_take(self._rows, index)
+            state, packed = steps.rounds(*params, spec_round.with_pages(rows, pages.arrays), on_device, spec=spec,
+                                         num_rounds=engine.rounds_per_call)
+            rows, pages.arrays = spec_round.split_pages(state)
+            self._rows = rows if index is None else jit_put(self._rows, index, rows)
             synced = step.rounds.gamma > 0 or step.rounds.flush or not engine.holds_pairs
             self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
                                 synced))

@@ -374,13 +374,12 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     return new_state, packed, features, chunk_out
 
 
-def spec_rounds(tparams, dparams, state: DecodeState, rows=None, chunks: Chunk | None = None, *, spec: StepSpec,
+def spec_rounds(tparams, dparams, state: DecodeState, chunks: Chunk | None = None, *, spec: StepSpec,
                 num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan, over the pool's slots `rows` -> (state, packed outputs
-    [num_rounds, b + P, 2 gamma + 6] (round_output.py): each round's b rows, then its chunk's P segments).
-    state: the pool, every slot and the page pools; rows [b] int32: the distinct slots this call computes (its row
-    bucket: the running rows, the rows its chunks join and free slots to fill the bucket), gathered before the
-    rounds and written back after them; None: every slot, in order (a full bucket).
+    """num_rounds rounds in one call, as a lax.scan -> (state, packed outputs [num_rounds, B + P, 2 gamma + 6]
+    (round_output.py): each round's B rows, then its chunk's P segments). The state's rows are the call's row bucket
+    (the running rows, the rows its chunks join, and free slots to fill the bucket: slots.take gathers them from the
+    pool's slots, so one compilation serves every pool of the bucket's size or more).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does.
@@ -389,23 +388,17 @@ def spec_rounds(tparams, dparams, state: DecodeState, rows=None, chunks: Chunk |
     (`_catch_up`).
     chunks (a mixed call): a Chunk whose every array has a leading axis of num_rounds; round r's prompt tokens ride
     in round r's target forward (one read of the weights for both), and its final segments' rows join their slots
-    (positions in `rows`) when round r ends (`admit`): a prompt whose last chunk runs in round r runs rounds r + 1
+    (rows of the state) when round r ends (`admit`): a prompt whose last chunk runs in round r runs rounds r + 1
     onwards of the same call."""
     held = spec.gamma == 0 and proposer_lib.holds_pairs(spec.proposer)
     if held and spec.held < num_rounds:
         raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
                          f"must be at least that, got {spec.held}")
-    pool, pages = split_pages(state)
-    local = pool if rows is None else jax.tree.map(lambda x: x[rows], pool)
-    end, packed = _rounds(tparams, dparams, with_pages(local, pages), chunks, spec, num_rounds, held)
-    local, pages = split_pages(end)
-    if rows is not None:
-        local = jax.tree.map(lambda whole, part: whole.at[rows].set(part), pool, local)
-    return with_pages(local, pages), packed
+    return _rounds(tparams, dparams, state, chunks, spec, num_rounds, held)
 
 
 def _rounds(tparams, dparams, state: DecodeState, chunks, spec: StepSpec, rounds: int, held: bool):
-    """spec_rounds' rounds over the gathered rows: each round (and its chunk, if any), scanned; a holding call's
+    """spec_rounds' rounds: each round (and its chunk, if any), scanned; a holding call's
     pairs written into `held` as they commit, and brought into the proposer at the end of a flushing one."""
     B = state.done.shape[0]
 
