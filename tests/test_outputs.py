@@ -93,6 +93,24 @@ def test_prompt_logprobs_bypass_the_prefix_cache(world):
     assert engine.generate([prompt], 3)[0].cached_tokens == 16
 
 
+def test_chunks_in_calls_of_their_own_report_prompt_logprobs(world, engines, monkeypatch):
+    """An exact engine prefills each chunk in a call of its own (spec_round.prefill), whose rows then carry the
+    chunk's prompt logprobs: the scheduler made to plan so (the same path without the exact kernels)."""
+    from eagle3_jax.decoding import live_plan
+
+    planned = live_plan.LiveScheduler.__init__
+
+    def alone(self, *args, **kwargs):
+        planned(self, *args, **{**kwargs, "alone": True})
+
+    monkeypatch.setattr(live_plan.LiveScheduler, "__init__", alone)
+    engine = engines[0]
+    results = engine.generate(PROMPTS[:2], 4, logprobs=2, prompt_logprobs=2)
+    assert ("prefill", (8,)) in engine.device_events  # the first prompt's first chunk, alone
+    for prompt, result in zip(PROMPTS, results):
+        check_logprobs(world[0], prompt, result, 2, 2)
+
+
 def reference(model, prompt, steps, frequency=0.0, presence=0.0, repetition=1.0, bias=None):
     """Greedy decoding of the oracle's logits with vLLM's penalties (repetition over prompt and output, then
     frequency and presence over the output's counts) and logit_bias, in that order."""
