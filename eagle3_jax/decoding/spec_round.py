@@ -114,7 +114,8 @@ class StepSpec:
     penalties: bool = False
     # Each emitted token's logprob and most likely alternatives packed into the output (logprobs.py, round_output).
     logprobs: bool = False
-    # A chunk's call of its own (prefill) also reports every chunk position's next-token logprobs (with logprobs).
+    # Each chunk (in a round's forward, or a call of its own) also reports every position's next-token logprobs
+    # (`_prompt_rows`; with logprobs).
     prompt_logprobs: bool = False
 
     @property
