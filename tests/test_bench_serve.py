@@ -12,8 +12,8 @@ from eagle3_jax_bench import serve
 
 def test_serve_bench_dry_run(tmp_path, monkeypatch, capsys):
     # Drafting costs little (a shared CPU's measured costs wander): "auto" speculates, so acceptance is reported.
-    monkeypatch.setattr(eagle3_jax.Engine, "round_costs", lambda self, batch, length, template=None: [1.0, 1.01, 1.02,
-                                                                                                     1.03])
+    monkeypatch.setattr(eagle3_jax.Engine, "round_costs", lambda self, batch, length, template=None,
+                        mixed=False: [1.0, 1.01, 1.02, 1.03])
     assert serve.main(["--out", str(tmp_path), "--dry-run", "--users", "1", "--requests", "2"]) == 0
     rows = json.loads((tmp_path / "serve_bench.json").read_text())["serve"]
     assert [(r["mode"], r["users"]) for r in rows] == [("auto", 1), ("off", 1)]  # levels in order, modes beside
@@ -28,8 +28,8 @@ def test_serve_bench_dry_run(tmp_path, monkeypatch, capsys):
 def test_serve_bench_with_logprobs_dry_run(tmp_path, monkeypatch, capsys):
     """--logprobs K: every request asks for them (each completion token's comes back), and so does the
     Engine.generate the 1-user level is compared with."""
-    monkeypatch.setattr(eagle3_jax.Engine, "round_costs", lambda self, batch, length, template=None: [1.0, 1.01, 1.02,
-                                                                                                     1.03])
+    monkeypatch.setattr(eagle3_jax.Engine, "round_costs", lambda self, batch, length, template=None,
+                        mixed=False: [1.0, 1.01, 1.02, 1.03])
     with pytest.raises(SystemExit):
         serve.main(["--out", str(tmp_path), "--dry-run", "--logprobs", "21"])
     assert "--logprobs must be in [0, 20], got 21" in capsys.readouterr().err
