@@ -75,7 +75,7 @@ class Vocabulary:
         live = np.searchsorted(-lengths, -np.arange(longest), side="left")  # tokens longer than j
         padded = b"".join(self.tokens[i].ljust(longest, b"\0") for i in ids.tolist())
         matrix = np.frombuffer(padded, np.uint8).reshape(len(ids), longest)
-        flat = np.concatenate([matrix[:n, j] for j, n in enumerate(live.tolist())]) if longest else np.zeros(0, np.uint8)
+        flat = np.concatenate([matrix[:n, j] for j, n in enumerate(live.tolist())] + [np.zeros(0, np.uint8)])
         return ids, lengths, flat, np.concatenate([[0], np.cumsum(live)])
 
 
@@ -207,7 +207,7 @@ def _walk(dfa: np.ndarray, columns: list, limits: Limits, deadline: float):
     """(state, string, next state) of every class string a state allows whole: each (state, string) pair whose
     first class the state allows, walked a byte position at a time (pairs ordered by string, longest first, so
     the pairs still walking at position j are a prefix)."""
-    S, U = dfa.shape[0], len(columns[0])
+    U = len(columns[0])
     allows = dfa >= 0  # [S, K]
     states_of = [np.flatnonzero(allows[:, k]) for k in range(dfa.shape[1])]
     count = allows.sum(axis=0)[columns[0]]  # [U] states allowing each string's first class

@@ -43,6 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.decoding.round_output import RoundOutput
@@ -83,6 +84,7 @@ class ChunkPlan:
     owners: np.ndarray  # [P] int64: the request whose prompt each final segment ends (-1: none)
     alone: bool  # a call of its own (no running row, or an exact engine), not riding in a call of rounds
     history: np.ndarray | None = None  # [P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+    grammar: grammar_lib.Rows | None = None  # [P] final segments' automata and states, while the pool has any
 
     @property
     def samples(self) -> bool:
@@ -138,6 +140,7 @@ class _Live:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
+    placed: bool = False  # its constraint is laid out in the pool's automata (grammar.Registry) for its row
 
     def known(self) -> np.ndarray:
         """Every token of its sequence the host knows: the prompt, then what it emitted."""
@@ -198,6 +201,7 @@ class LiveScheduler:
         self._release: list[int] = []  # slots of aborted rows, for the next step's `release`
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
+        self.grammar = grammar_lib.Registry()  # the constrained rows' automata, for the runner's tables
 
     @property
     def running(self) -> int:
@@ -331,6 +335,9 @@ class LiveScheduler:
         self.pages.give_back(live.pages)
         live.pages, live.unread = [], collections.deque()
         self._table_changed = True
+        if live.placed:
+            self.grammar.release(live.row.constraint(0))
+            live.placed = False
 
     def _choose(self):
         return self.policy.choose(float(np.mean([self.requests[r].length for r in self._running()])))
@@ -446,6 +453,7 @@ class LiveScheduler:
         tokens, cu, start, table, final, slot, next_token = (plan.tokens, plan.cu, plan.start, plan.table, plan.final,
                                                               plan.slot, plan.next_token)
         generated, max_new, stop_ids, owners = plan.generated, plan.max_new, plan.stop_ids, plan.owners
+        grammar = grammar_lib.rows_for(len(plan.start))
         settings = [getattr(plan.sampling, f) for f in ("temperature", "top_k", "top_p", "seed")]
         at = 0
         for p, (live, take) in enumerate(segments):
@@ -468,9 +476,21 @@ class LiveScheduler:
                 self._table_changed = True
                 if plan.history is not None:
                     plan.history[p, : len(sequence)] = sequence
+                self._place(live, p, grammar, resume)
             cu[p + 1] = at
         cu[len(segments) + 1 :] = at
-        return plan
+        return dataclasses.replace(plan, grammar=grammar) if self.grammar.active else plan
+
+    def _place(self, live: _Live, p: int, grammar: grammar_lib.Rows, resume: int) -> None:
+        """A joining constrained row's automaton laid out, and its state for segment p: the initial one, or a
+        recompute's after every token it emitted (its resume token the last)."""
+        automaton = live.row.constraint(0)
+        if automaton is None:
+            return
+        k, offset = self.grammar.place(automaton)
+        live.placed = True
+        local = automaton.initial if resume < 0 else automaton.walk(live.tokens)
+        grammar.table[p], grammar.state[p] = k, offset + local if local >= 0 else grammar_lib.FREE
 
     def read(self, kind: str, gamma: int, owners: np.ndarray, outputs: np.ndarray,
              chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
@@ -539,6 +559,9 @@ class LiveScheduler:
         reason = None
         if done:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
+            automaton = live.row.constraint(0)
+            if automaton is not None and new and new[-1] in automaton.eos:
+                new = new[:-1]  # a constrained row's end: its output is the constrained text alone
             self._free_slot(live)  # done on the device already: nothing to release
             del self.requests[request_id]
         return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached)
@@ -560,7 +583,7 @@ def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: 
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
-             temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+             temperature=0.0, top_k=0, top_p=1.0, seed=None, constraint=None) -> Request:
     """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
     whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
     even when greedy (temperature 0), so that every row of a live pool has the same fields."""
@@ -568,7 +591,9 @@ def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_s
     if isinstance(stops, list) and len(stops) > stop_width:
         raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
     row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, constraints=[constraint])
+    if row.stop_ids.shape[1] > stop_width and np.sum(row.stop_ids[0] >= 0) > stop_width:
+        raise ValueError(f"at most {stop_width} stop token ids per request, the constraint's end ids included")
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given

@@ -21,8 +21,9 @@ def resize(rows: spec_round.DecodeState, index) -> spec_round.DecodeState:
     size makes a free slot (a copy of some row, done). Growing or shrinking a live pool: the rows keep their
     pages and settings whatever slot they move to."""
     n = rows.done.shape[0]
+    tables, rows = rows.grammar_tables, dataclasses.replace(rows, grammar_tables=None)  # the pool's, not a row's
     moved = jax.tree.map(lambda x: x[jnp.minimum(index, n - 1)], rows)
-    return dataclasses.replace(moved, done=moved.done | (index >= n))
+    return dataclasses.replace(moved, done=moved.done | (index >= n), grammar_tables=tables)
 
 
 def release(rows: spec_round.DecodeState, slots) -> spec_round.DecodeState:
