@@ -129,6 +129,7 @@ class Registry:
 
     def __init__(self):
         self._entries: list[_Entry] = []
+        self._shape = (0, 0, 0)  # the tables' (K, S, C) so far
         self.version = 0
 
     @property
@@ -156,16 +157,18 @@ class Registry:
         entry = next(e for e in self._entries if e.automaton is automaton and e.users > 0)
         entry.users -= 1
         if not self.active:
-            self._entries = []
+            self._entries, self._shape = [], (0, 0, 0)
             self.version += 1
 
     def tables(self) -> Tables | None:
         """The layout as host arrays (None: no row constrained), padded to powers of two."""
         if not self.active:
             return None
-        K = _pow2(len(self._entries), 1)
-        S = _pow2(max(e.offset + e.capacity for e in self._entries), 64)
-        C = _pow2(max(e.automaton.num_classes for e in self._entries), 16)
+        # Capacities never shrink while a row is constrained (a new shape would compile the calls again).
+        K, S, C = (max(a, b) for a, b in zip(self._shape, (
+            _pow2(len(self._entries), 1), _pow2(max(e.offset + e.capacity for e in self._entries), 64),
+            _pow2(max(e.automaton.num_classes for e in self._entries), 16))))
+        self._shape = (K, S, C)
         classes = np.zeros((K, len(self._entries[0].automaton.classes)), np.int32)
         nxt = np.full((S, C), FREE, np.int32)
         for e in self._entries:

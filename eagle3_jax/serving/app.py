@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from eagle3_jax.decoding.structured import Structured
 from eagle3_jax.serving.detokenizer import Detokenizer, StopStrings
 from eagle3_jax.serving.metrics import Metrics
 from eagle3_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -79,7 +80,37 @@ def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | Non
     given = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p}
     sampling = {k: state.defaults[k] if v is None else v for k, v in given.items()}
     return dict(prompt=prompt, max_new_tokens=max_tokens, stop_token_ids=list(dict.fromkeys(stops)),
-                seed=body.seed, **sampling)
+                seed=body.seed, structured=_structured(body), **sampling)
+
+
+def _structured(body) -> Structured | None:
+    """The request's constraint: response_format's or structured_outputs' (not both); ApiError(400) for a bad one.
+    Compiling it (the pool's check) raises the 400s of a regex or schema that does not compile."""
+    given = []
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type == "json_object":
+        given.append(dict(json_object=True))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs its json_schema")
+        given.append(dict(json_schema=rf.json_schema.schema_))
+    if so is not None:
+        fields = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("json_object", so.json_object)) if v not in (None, False)}
+        if isinstance(fields.get("json_schema"), str):
+            try:
+                fields["json_schema"] = json.loads(fields["json_schema"])
+            except json.JSONDecodeError as e:
+                raise ApiError(400, f"structured_outputs.json is not valid JSON: {e}") from None
+        given.append(fields)
+    if len(given) > 1:
+        raise ApiError(400, "give response_format or structured_outputs, not both")
+    if not given:
+        return None
+    try:
+        return Structured(**given[0])
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 class Generation:
@@ -93,6 +124,8 @@ class Generation:
             self.row = state.pool.check(**settings)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        except ImportError as e:  # structured outputs' optional dependency is not installed
+            raise ApiError(501, str(e), "server_error") from None
         self.usage = Usage(len(settings["prompt"]))
         self.finish_reason: str | None = None
         self._request_id: int | None = None
