@@ -340,3 +340,85 @@ def test_bad_constraints_get_400(client, fields, message):
     with pytest.raises(openai.BadRequestError, match=message):
         api.completions.create(model="demo", prompt="x", max_tokens=4, extra_body=fields)
     assert api.completions.create(model="demo", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+# ----------------------------------------------------------------------------- the constrained sampler's distribution
+
+CHI_REGEX = "[a-e][b-g][a-c]+"  # tokens are single letters: a-e, then b-g, then a-c (no end within three tokens)
+CHI_SETTINGS = (0.9, 3, 0.9)  # temperature, top_k, top_p: the filters act on the masked logits
+CHI_N = 20_000
+
+
+@pytest.fixture(scope="module")
+def tiny_lettered(tmp_path_factory):
+    """test_sampling_engine's 16-token target and drafter, the target with a byte-level tokenizer whose token i is
+    the letter chr(ord('a') + i) (15 is the end of sequence)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_sampling_engine import tiny
+
+    model, target, drafter = tiny.__wrapped__(tmp_path_factory)
+    vocab = {chr(ord("a") + i): i for i in range(15)} | {"<e>": 15}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(["<e>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<e>").save_pretrained(target.folder)
+    return model, target, drafter
+
+
+def exact_masked_first_three(model) -> np.ndarray:
+    """P(t1, t2, t3) [V, V, V] in float64: the target's logits masked to CHI_REGEX's letters at each position, then
+    transformers' warpers (test_sampling_engine.oracle_probs), enumerated."""
+    from test_sampling_engine import PROMPT, V, oracle_probs
+
+    allowed = [range(0, 5), range(1, 7), range(0, 3)]
+
+    def next_probs(prefixes, step):
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes)).logits[:, -1]
+        masked = torch.full_like(logits, -torch.inf)
+        masked[:, list(allowed[step])] = logits[:, list(allowed[step])]
+        return oracle_probs(masked, *CHI_SETTINGS)
+
+    p1 = next_probs([PROMPT], 0)[0]
+    p2 = next_probs([PROMPT + [a] for a in range(V)], 1)
+    p3 = next_probs([PROMPT + [a, b] for a in range(V) for b in range(V)], 2).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def constrained_samples(tiny, seed0: int) -> np.ndarray:
+    from test_sampling_engine import PROMPT
+
+    _, target, drafter = tiny
+    e = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=8, proposal="sample", rounds_per_call=1,
+                          max_batch=CHI_N, prefill_chunk=len(PROMPT) * CHI_N, prefill_sequences=CHI_N)
+    t, k, p = CHI_SETTINGS
+    results = e.generate([PROMPT] * CHI_N, 3, temperature=t, top_k=k, top_p=p, seed=list(range(seed0, seed0 + CHI_N)),
+                         structured=Structured(regex=CHI_REGEX))
+    return np.array([r.token_ids for r in results])
+
+
+def test_constrained_samples_follow_the_exact_masked_distribution(tiny_lettered):
+    from test_sampling_engine import gate_p_value
+
+    assert gate_p_value(constrained_samples(tiny_lettered, 100), exact_masked_first_three(tiny_lettered[0])) > 1e-4
+
+
+def test_the_gate_rejects_an_unmasked_sampler(tiny_lettered, monkeypatch):
+    """The same samples with the target's mask taken out of prefill and the rounds (the drafts still masked)."""
+    from eagle3_jax.decoding import engine as engine_lib
+    from eagle3_jax.decoding import grammar
+
+    from test_sampling_engine import gate_p_value
+
+    monkeypatch.setattr(grammar, "mask", lambda tables, table, states, logits: logits)
+    engine_lib.jit_rounds.clear_cache()
+    engine_lib.jit_prefill.clear_cache()
+    try:
+        tokens = constrained_samples(tiny_lettered, 100)
+    finally:
+        monkeypatch.undo()
+        engine_lib.jit_rounds.clear_cache()
+        engine_lib.jit_prefill.clear_cache()
+    assert gate_p_value(tokens, exact_masked_first_three(tiny_lettered[0])) < 1e-6
