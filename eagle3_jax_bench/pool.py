@@ -20,7 +20,9 @@ with prefix caching on and off.
 * floor (preset models): the workload's FLOPs (every token through every matmul, the lm_head for generated tokens,
   causal attention) at the matmul rate measured in the same run, and its bytes (every weight once per decode
   step, at least max_new_tokens steps and the generated tokens over the pool; each generated token's context
-  KV) at the measured copy rate; the floor is the larger. Each pool row reports its wall time over it.
+  KV) at the measured copy rate; a pool's floor is the larger. Each pool row reports its wall time over it
+  (x_floor) and over the compute floor alone (x_compute_floor): the workload's floor, the lowest any pool size
+  can reach (a small pool's extra weight reads are its own cost, not the workload's).
 * per run: tokens/s (generated tokens over the wall time, prefill included), time to first token p50/p99 (from
   the request's start), inter-token latency p50/p99 (the gaps between one prompt's chunks: a call's rounds
   arrive together), peak memory (the device's peak bytes in use where it reports them, else the process's peak
@@ -209,8 +211,9 @@ def timed_run(run: Run, engine, name: str, groups, label: dict, floor: dict | No
     row.update(run=name, **label, prompts=len(prompts), compilations=compiles.count,
                preemptions=engine.preemptions - preempted, prefill_chunk=engine.prefill_chunk,
                cached_tokens=engine.cached_tokens - cached, prompt_tokens=sum(len(p) for p in prompts))
-    if floor is not None:
-        row.update(floor_s=floor["floor_s"], x_floor=row["seconds"] / floor["floor_s"])
+    if floor is not None:  # the pool's floor (max of compute and bytes at its size), and the workload's: compute
+        row.update(floor_s=floor["floor_s"], x_floor=row["seconds"] / floor["floor_s"],
+                   compute_floor_s=floor["compute_s"], x_compute_floor=row["seconds"] / floor["compute_s"])
     return run.add("pool", row)
 
 
