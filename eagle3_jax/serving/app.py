@@ -83,6 +83,16 @@ def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | Non
                 seed=body.seed, structured=_structured(body), **sampling)
 
 
+async def _compile(state: ServerState, structured: Structured | None) -> None:
+    """A new constraint compiled on a worker thread (up to its compile's bound), not on the event loop: the pool's
+    check then finds it in the engine's cache. Its errors are the check's to report."""
+    if structured is not None:
+        try:
+            await asyncio.to_thread(state.pool.engine.constraint, structured)
+        except (ValueError, ImportError):
+            pass  # raised again, as a 400 (or 501), by Generation's check
+
+
 def _structured(body) -> Structured | None:
     """The request's constraint: response_format's or structured_outputs' (not both); ApiError(400) for a bad one.
     Compiling it (the pool's check) raises the 400s of a regex or schema that does not compile."""
@@ -273,6 +283,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, http: Request):
         check_model(body.model)
         settings = _settings(state, body, _prompt_ids(state, body.prompt), body.max_tokens)
+        await _compile(state, settings["structured"])
         run = Generation(state, settings, body.stop_strings())
 
         def chunk(text, finish):
@@ -286,6 +297,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         settings = _settings(state, body, _chat_ids(state, body), body.max_completion_tokens or body.max_tokens)
+        await _compile(state, settings["structured"])
         run = Generation(state, settings, body.stop_strings())
         first = [True]
 
