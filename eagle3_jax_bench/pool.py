@@ -32,7 +32,9 @@ with prefix caching on and off.
 * steady state: the engine's own call of rounds on a full batch of rows at the workload's mean KV length, on its
   own pages (Engine.time_call: no second KV beside the engine's), tokens/s = batch x tokens per round (tau, from
   the first pool's prompts) over its time per round: what a pool could reach if prefill and partly empty batches
-  cost nothing; ITL p99 is compared with a call of it (a call's rounds arrive together).
+  cost nothing; ITL p99 is compared with a call of it (a call's rounds arrive together). Also the same call with a
+  chunk of prefill_chunk prompt tokens in every round (mixed_call_ms; its chunks hold no sequence, and the
+  forward's width is the same whatever they hold).
 * sweep: the first pool size and gamma at each --sweep prefill_chunk over the first --sweep-prompts prompts (and
   the engine's default over the same prompts, for the ratio).
 * shared prefix: --prefix-prompts prompts, each the same --shared-prefix tokens and then its own 64-512 tokens,
@@ -235,9 +237,11 @@ def measure(run: Run, b: Bench, pool: int, gamma, runs=RUNS) -> None:
     tau = tau_of(engine, b.prompts[:pool], b.budgets[:pool]) if gamma else 1.0
     length = int(np.mean([len(p) for p in b.prompts]) + np.mean(b.budgets) / 2)
     call_s = min(engine.time_call(pool, length, gamma) for _ in range(3))
+    mixed_s = min(engine.time_call(pool, length, gamma, mixed=True) for _ in range(3))
     run.add("steady", {**label, "kv_len": length, "tau": tau, "call_ms": call_s * 1e3,
                        "round_ms": call_s / engine.rounds_per_call * 1e3,
-                       "tokens_per_s": pool * tau * engine.rounds_per_call / call_s})
+                       "tokens_per_s": pool * tau * engine.rounds_per_call / call_s,
+                       "mixed_call_ms": mixed_s * 1e3, "mixed_over_call": mixed_s / call_s})
 
 
 def sweep(run: Run, b: Bench, pool: int, gamma, chunks: list[int], count: int) -> None:

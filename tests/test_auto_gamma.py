@@ -168,8 +168,8 @@ def world(tmp_path_factory):
 
 
 def auto_engine(target, drafter, **kwargs):
-    return eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, max_len=128,
-                             rounds_per_call=2, max_batch=1, **kwargs)
+    return eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, rounds_per_call=2,
+                             max_batch=1, **{"max_len": 128, **kwargs})
 
 
 def fixed_costs(*seconds):
@@ -233,11 +233,12 @@ def test_auto_through_a_pool_of_three_holds_and_flushes_rows_of_different_ages(w
 def test_auto_on_a_random_target_is_lossless_compiles_every_gamma_once_and_never_again(world):
     """Three prompts through one slot: the policy's evidence carries from one prompt to the next. Engine.compile
     compiles the one bucket's calls of rounds, each once: without prompt tokens gamma 0 (holding its pairs, and
-    flushing) and 1, with them gamma 0 (flushing) and 1; and the release of stopped rows: 6 programs."""
+    flushing) and 1, with them gamma 0 (flushing) and 1; and the release of stopped rows: 6 programs (max_len 127:
+    a configuration of this test's own, so that each compiles here)."""
     target, drafter = world["t:random"], world["d:unrelated"]
     prompts = [[3, 17, 5, 40], [30, 2], [7, 7, 7, 21, 44, 1]]
     expected = eagle3_jax.Engine(target, max_len=128, max_batch=1).generate(prompts, 24)
-    engine = auto_engine(target, drafter, round_costs=fixed_costs(1.0, 1.05))
+    engine = auto_engine(target, drafter, round_costs=fixed_costs(1.0, 1.05), max_len=127)
     assert engine.gammas == (0, 1)
     with count_compilations(spec_round.spec_rounds.__name__) as rounds_compiled:
         assert engine.compile() == 6

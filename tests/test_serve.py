@@ -8,6 +8,7 @@ the word "wi", w47 the end of sequence) with a small chat template."""
 
 import concurrent.futures
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,8 +56,10 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        # The module's servers share one persistent compilation cache (beside the checkpoints): the first start of a
+        # configuration compiles its programs ahead, every later start of it loads them.
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "EAGLE3_JAX_COMPILE_CACHE": "", "JAX_PLATFORMS": "cpu"}
+               "EAGLE3_JAX_COMPILE_CACHE": str(folders / "xla"), "JAX_PLATFORMS": "cpu"}
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe could fill and stall it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eagle3_jax.cli", "serve", "--target", str(folders / "target"), "--drafter",
@@ -106,6 +109,24 @@ def server(folders):
     s = Server(folders, "--max-batch", "8")
     yield s
     s.stop()
+
+
+def test_a_second_start_compiles_nothing(folders, server):
+    """The module's server compiled every program of its pool ahead (the greedy build's and the sampling build its
+    defaults take) into the shared persistent cache; a second start of the same configuration compiles nothing,
+    ahead or while it serves greedy and default-sampled requests (JAX's compile events, its /metrics)."""
+    assert int(re.search(r"compiled (\d+) programs ahead", server.output()).group(1)) > 0
+    again = Server(folders, "--max-batch", "8")
+    try:
+        assert "compiled 0 programs ahead" in again.output()
+        client = again.client()
+        for temperature in (0.0, None):
+            text = client.completions.create(model="tiny", prompt="w5 w9 w11", max_tokens=12, seed=3,
+                                             **({} if temperature is None else {"temperature": temperature}))
+            assert text.choices[0].text
+        assert again.metric("eagle3_jax_backend_compilations_total") == 0
+    finally:
+        again.stop()
 
 
 @pytest.fixture(scope="module")

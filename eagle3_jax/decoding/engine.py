@@ -52,6 +52,7 @@ from eagle3_jax.decoding import (
     parallel_steps,
     round_costs,
     spec_round,
+    warm_start,
 )
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
@@ -398,12 +399,22 @@ class Engine:
         radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
         either way). `threads` programs compile at once (None: one per CPU core; XLA's compiler releases the
         interpreter while it works). Under "auto" it also measures (or loads) the round costs of every bucket,
-        with and without prompt tokens. Returns how many programs it compiled."""
+        with and without prompt tokens. With JAX's persistent compilation cache on (the CLI's and the server's
+        default), a configuration compiled once before is not compiled or lowered again (decoding/warm_start.py):
+        its programs load from the cache on first use, and its round costs from their file. Returns how many
+        programs it compiled (0 then)."""
         template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
         spec = self.build_for(template)
         steps, pages = self.steps, self.page_pool
         params = (self.target.params, self.draft_params)
         stop_width, dtype = int(template.stop_ids.shape[1]), self.target.params["embed"].dtype
+        marker = warm_start.marker({"spec": spec, "max_batch": self.max_batch, "rounds": self.rounds_per_call,
+                                    "prefill_chunk": self.prefill_chunk, "sequences": self.prefill_sequences,
+                                    "width": self.table_width, "pages": pages.num_pages, "page_size": pages.page_size,
+                                    "dtype": str(dtype), "stop_width": stop_width, "auto": self.auto,
+                                    "mesh": None if self.target.mesh is None else self.target.mesh.devices.shape})
+        if warm_start.is_warm(marker):  # every program is in the persistent cache: each loads on first use
+            return 0
         pool = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, dtype)
         jobs = []  # (step, args, kwargs): compiled with real arrays, so that jit's cache keys match a call's
         pages.acquire()
@@ -432,6 +443,7 @@ class Engine:
             for bucket in live_plan.row_buckets(self.max_batch):
                 for mixed in (False, True):
                     self.round_costs(bucket, 0.0, template, mixed)
+        warm_start.mark(marker, len(jobs))
         return len(jobs)
 
     def _chunk_plan(self, stop_width: int, rounds: int, alone: bool = False):
