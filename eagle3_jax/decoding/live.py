@@ -34,7 +34,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from eagle3_jax.decoding import gamma_policy, slots, spec_round
+from eagle3_jax.decoding import gamma_policy, grammar, slots, spec_round
 from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row
 from eagle3_jax.decoding.request import Request
 
@@ -78,6 +78,7 @@ class LivePool:
                                         alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
                                         with_next=engine.holds_pairs, history=engine.keeps_history)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
+        self._grammar_version = 0  # the layout of the constrained rows' automata the rows hold (grammar.Registry)
         # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it)
         # dispatched, unread
         self._queue: collections.deque = collections.deque()
@@ -110,11 +111,13 @@ class LivePool:
         return len(self._scheduler.waiting) + sum(1 for item in list(self._inbox) if item[0] == "add")
 
     def check(self, prompt, max_new_tokens, stop_token_ids=(), *, temperature=0.0, top_k=0, top_p=1.0,
-              seed=None) -> Request:
-        """The one-row request `submit` queues for these arguments (live_plan.live_row)."""
+              seed=None, structured=None) -> Request:
+        """The one-row request `submit` queues for these arguments (live_plan.live_row); structured: an
+        eagle3_jax.Structured, compiled here (Engine.constraint: cached by its text)."""
+        constraint = None if structured is None else self.engine.constraint(structured)
         return live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
                         vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, constraint=constraint)
 
     def submit(self, row: Request, on_event: Callable[[Event], None]) -> int:
         """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's
@@ -250,6 +253,9 @@ class LivePool:
             self._rows = jit_release(self._rows, steps.put(index))
         if step.page_table is not None:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
+        if scheduler.grammar.version != self._grammar_version:  # the constrained rows' automata changed
+            self._rows = grammar.installed(self._rows, scheduler.grammar, steps.put)
+            self._grammar_version = scheduler.grammar.version
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
         build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
@@ -286,4 +292,5 @@ def device_chunks(chunk, rows: np.ndarray | None = None, capacity: int = 0) -> s
         position[rows] = np.arange(len(rows), dtype=np.int32)
         slot = position[np.minimum(slot, capacity)]
     return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, slot, chunk.next_token,
-                            chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history)
+                            chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history,
+                            chunk.grammar)

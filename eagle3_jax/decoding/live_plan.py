@@ -47,6 +47,7 @@ from typing import Protocol
 
 import numpy as np
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.decoding.round_output import RoundOutput
@@ -89,6 +90,7 @@ class ChunkPlan:
     owners: np.ndarray  # [R, P] int64: the request whose prompt each final segment ends (-1: none)
     alone: bool  # a call of its own (an exact engine's; R = 1), not riding in a call of rounds
     history: np.ndarray | None = None  # [R, P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+    grammar: grammar_lib.Rows | None = None  # [R, P] final segments' automata and states, while the pool has any
 
     @property
     def samples(self) -> bool:
@@ -150,6 +152,7 @@ class _Live:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
+    placed: bool = False  # its constraint is laid out in the pool's automata (grammar.Registry) for its row
 
     def known(self) -> np.ndarray:
         """Every token of its sequence the host knows: the prompt, then what it emitted."""
@@ -211,6 +214,7 @@ class LiveScheduler:
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
         self._last_gamma = max_gamma  # the latest dispatched call's gamma: what a call in flight may emit
+        self.grammar = grammar_lib.Registry()  # the constrained rows' automata, for the runner's tables
 
     @property
     def running(self) -> int:
@@ -379,13 +383,16 @@ class LiveScheduler:
         self.pages.give_back(live.pages)
         live.pages, live.unread = [], collections.deque()
         self._table_changed = True
+        if live.placed:
+            self.grammar.release(live.row.constraint(0))
+            live.placed = False
 
     def _chunks(self, rounds: int, joiners: list, alone: bool = False) -> ChunkPlan | None:
         """The prompt tokens of a call's `rounds` rounds (one forward each), each round's segments planned after the
         one before (a prompt goes on where the last round left it); the rows whose last chunk runs in round j go to
         `joiners` as (live, j). None when no prompt token can go."""
         plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.capacity,
-                           alone, self.max_len if self.history else 0, rounds)
+                           alone, self.max_len if self.history else 0, rounds, grammar=True)
         laid = False
         for j in range(rounds):
             segments = self._segments(0 if alone else rounds - 1 - j)
@@ -394,6 +401,8 @@ class LiveScheduler:
             laid = True
             for live in self._lay_out(plan, j, segments):
                 joiners.append((live, j))
+        if not self.grammar.active:  # the chunk carries the constrained rows' states only while the pool has any
+            plan = dataclasses.replace(plan, grammar=None)
         return plan if laid else None
 
     def _segments(self, after: int) -> list[tuple[_Live, int]]:
@@ -504,9 +513,21 @@ class LiveScheduler:
                 joined.append(live)
                 if plan.history is not None:
                     plan.history[j, p, : len(sequence)] = sequence
+                self._place(live, plan, j, p, resume)
             plan.cu[j, p + 1] = at
         plan.cu[j, len(segments) + 1 :] = at
         return joined
+
+    def _place(self, live: _Live, plan: ChunkPlan, j: int, p: int, resume: int) -> None:
+        """A joining constrained row's automaton laid out, and its state for round j's segment p: the initial one, or
+        a recompute's after every token it emitted (its resume token the last)."""
+        automaton = live.row.constraint(0)
+        if automaton is None:
+            return
+        k, offset = self.grammar.place(automaton)
+        live.placed = True
+        local = automaton.initial if resume < 0 else automaton.walk(live.tokens)
+        plan.grammar.table[j, p], plan.grammar.state[j, p] = k, offset + local if local >= 0 else grammar_lib.FREE
 
     def read(self, kind: str, gamma: int, owners: np.ndarray | None, outputs: np.ndarray,
              chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
@@ -573,16 +594,20 @@ class LiveScheduler:
         reason = None
         if done:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
+            automaton = live.row.constraint(0)
+            if automaton is not None and new and new[-1] in automaton.eos:
+                new = new[:-1]  # a constrained row's end: its output is the constrained text alone
             self._free_slot(live)  # done on the device already: nothing to release
             del self.requests[request_id]
         return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached)
 
 
 def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
-                history: int = 0, rounds: int = 1) -> ChunkPlan:
+                history: int = 0, rounds: int = 1, grammar: bool = False) -> ChunkPlan:
     """Chunks of no sequence (nothing is written, nothing joins) of these shapes, one per round of `rounds`: tokens
     [tokens], segments [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size`
-    (none), and histories of `history` tokens (0: none)."""
+    (none), histories of `history` tokens (0: none), and the segments' automaton states when `grammar` (all free).
+    """
     R, P = rounds, sequences
     settings = SamplingParams(np.zeros((R, P), np.float32), np.zeros((R, P), np.int32), np.ones((R, P), np.float32),
                               np.zeros((R, P, 2), np.uint32))
@@ -590,11 +615,13 @@ def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: 
                      np.full((R, P, width), -1, np.int32), np.zeros((R, P), bool), np.full((R, P), size, np.int32),
                      np.full((R, P), -1, np.int32), np.zeros((R, P), np.int32), np.ones((R, P), np.int32),
                      np.full((R, P, stop_width), -1, np.int32), settings, np.full((R, P), -1, np.int64), alone,
-                     np.zeros((R, P, history), np.int32) if history else None)
+                     np.zeros((R, P, history), np.int32) if history else None,
+                     grammar_lib.Rows(np.zeros((R, P), np.int32), np.full((R, P), grammar_lib.FREE, np.int32))
+                     if grammar else None)
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
-             temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+             temperature=0.0, top_k=0, top_p=1.0, seed=None, constraint=None) -> Request:
     """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
     whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
     even when greedy (temperature 0), so that every row of a live pool has the same fields."""
@@ -602,7 +629,9 @@ def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_s
     if isinstance(stops, list) and len(stops) > stop_width:
         raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
     row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, constraints=[constraint])
+    if row.stop_ids.shape[1] > stop_width and np.sum(row.stop_ids[0] >= 0) > stop_width:
+        raise ValueError(f"at most {stop_width} stop token ids per request, the constraint's end ids included")
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given

@@ -36,6 +36,8 @@ class Request:
     max_new: np.ndarray  # [B] int32: the most tokens each row may emit (max_new_tokens, at most max_len)
     stop_ids: np.ndarray  # [B, P] int32: each row's stop token ids, padded with -1
     sampling: SamplingParams | None  # each row's settings; None when every row is greedy
+    # each row's compiled constraint (decoding/automaton.Automaton) or None (free); None when no row is constrained
+    constraints: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def samples(self) -> bool:
@@ -73,18 +75,30 @@ class Request:
             s = self.sampling
             sampling = SamplingParams(temperature=pick(s.temperature, 0), top_k=pick(s.top_k, 0),
                                       top_p=pick(s.top_p, 1), seed=pick(s.seed, 0))
+        constraints = None
+        if self.constraints is not None:
+            constraints = tuple(self.constraints[r] for r in rows) + (None,) * (num_rows - len(rows))
         return Request(tokens=pick(self.tokens[:, : self.padded_length(rows, max_len)], 0),
                        lengths=pick(self.lengths, 1), max_new=pick(self.max_new, 1),
-                       stop_ids=pick(self.stop_ids, -1), sampling=sampling)
+                       stop_ids=pick(self.stop_ids, -1), sampling=sampling, constraints=constraints)
+
+    def constraint(self, row: int):
+        """The row's compiled constraint, or None."""
+        return None if self.constraints is None else self.constraints[row]
 
     @classmethod
     def build(cls, prompts, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int,
-              temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
-        """The request `Engine.generate` describes (see there), checked: ValueError on any bad value."""
+              temperature=0.0, top_k=0, top_p=1.0, seed=None, constraints=None) -> Request:
+        """The request `Engine.generate` describes (see there), checked: ValueError on any bad value.
+        constraints: None, or one compiled constraint (or None) per prompt; a constrained row also stops at its
+        constraint's end ids."""
         rows = _prompt_rows(prompts, max_len, vocab_size)
         B = len(rows)
         budgets = _max_new(max_new_tokens, B)
         stops = _stop_lists(stop_token_ids, B, vocab_size)
+        if constraints is not None:
+            stops = [s + [e for e in c.eos if e not in s] if c is not None else s for s, c in zip(stops, constraints)]
+            constraints = tuple(constraints) if any(c is not None for c in constraints) else None
         tokens = np.zeros((B, bucket_length(max(len(p) for p in rows), max_len)), np.int32)
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = p
@@ -95,7 +109,7 @@ class Request:
         # No row can emit more than max_len tokens: the clamp keeps the int32 in range.
         max_new = np.array([min(m, max_len) for m in budgets], np.int32)
         return cls(tokens, np.array([len(p) for p in rows], np.int32), max_new, stop_ids,
-                   _sampling_settings(B, temperature, top_k, top_p, seed))
+                   _sampling_settings(B, temperature, top_k, top_p, seed), constraints)
 
 
 def bucket_length(length: int, max_len: int) -> int:

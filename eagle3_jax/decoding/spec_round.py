@@ -39,11 +39,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
-from eagle3_jax.decoding.prompt_lookup import PromptLookup
+from eagle3_jax.decoding.prompt_lookup import NO_DRAFT, PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.collectives import Shards, Vocab
@@ -80,6 +81,10 @@ class DecodeState:
     sampling: sampling_lib.SamplingParams | None = None
     held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
     history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
+    # Structured outputs (decoding/grammar.py): each row's automaton state (FREE: unconstrained), and the pool's
+    # automata (no batch axis); both None while no row of the pool is constrained.
+    grammar: grammar_lib.Rows | None = None
+    grammar_tables: grammar_lib.Tables | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,9 @@ class StepSpec:
     flush: bool = True
     # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
     tp: Shards | None = None
+    # Constrained rows' drafts follow their automata too (masked proposals); False drafts unconstrained (lossless
+    # either way: the target's side is masked), for measuring what the masks gain.
+    constrain_drafts: bool = True
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -169,6 +177,9 @@ class Chunk:
     stop_ids: jax.Array  # [P, width] int32
     sampling: sampling_lib.SamplingParams  # [P] each sequence's settings (greedy: temperature 0)
     history: jax.Array | None = None  # [P, max_len] int32: a final segment's whole sequence, for a proposer's history
+    # [P] a final segment's automaton and state (grammar.Rows): its initial state, or a recompute's state after its
+    # resume token; present whenever the pool's grammar is
+    grammar: grammar_lib.Rows | None = None
 
     @property
     def layout(self) -> Layout:
@@ -238,6 +249,9 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     last = chunk.last
     n = chunk.lengths
     vocab = _vocab(spec)
+    if chunk.grammar is not None:  # a constrained row's first token follows its automaton
+        logits = grammar_lib.mask(state.grammar_tables, chunk.grammar.table, chunk.grammar.state[:, None],
+                                  logits[:, None])[:, 0]
     first = vocab.argmax(logits)
     if spec.sampling:
         s = chunk.sampling
@@ -262,6 +276,10 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, False, done)
     joined = {"page_table": chunk.table, "lengths": n, "last_token": first, "num_generated": chunk.generated + num_emit,
               "max_new": chunk.max_new, "stop_ids": chunk.stop_ids, "done": done, "sampling": chunk.sampling, **own}
+    if chunk.grammar is not None:
+        g = chunk.grammar
+        joined["grammar"] = dataclasses.replace(g, state=jnp.where(
+            resumed, g.state, grammar_lib.advance(state.grammar_tables, g.table, g.state, first)))
     slots = jnp.where(final, chunk.slot, state.done.shape[0])  # a segment that does not end its prompt: dropped
     state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
                                                              getattr(state, name), value)
@@ -322,6 +340,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     if G > 0:
         with jax.named_scope("draft"):
             drafts, draft_q, q_ids, carry = proposer.propose(dparams, tparams, state, keys, spec)
+        if state.grammar is not None and proposer.partial and spec.constrain_drafts:
+            drafts = grammar_lib.cut(state.grammar, grammar_lib.along(state.grammar_tables, state.grammar, drafts),
+                                     drafts, NO_DRAFT)
         verified = drafts
         # Drafts past a row's proposal are never judged; they go through verify as token 0 (static shapes), and
         # their entries lie past the committed length, stale.
@@ -349,6 +370,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
             chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
             logits = both[: B * T].reshape(B, T, -1)
             features = None if features is None else features[0, : B * T].reshape(B, T, -1)
+        if state.grammar is not None:  # the target's choices follow each row's automaton along the drafts
+            states = grammar_lib.along(state.grammar_tables, state.grammar, drafts)
+            logits = grammar_lib.mask(state.grammar_tables, state.grammar.table, states, logits)
         choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
@@ -362,6 +386,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         num_generated=state.num_generated + num_emit,
         done=done,
     )
+    if state.grammar is not None:
+        new_state = dataclasses.replace(new_state, grammar=grammar_lib.committed(
+            state.grammar_tables, state.grammar, states, choices, accepted, live))
     shadow = None
     if proposer is not None and (G > 0 or not proposer_lib.holds_pairs(proposer)):
         with jax.named_scope("rebuild"):

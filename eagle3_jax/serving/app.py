@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from eagle3_jax.decoding.structured import Structured
 from eagle3_jax.serving.detokenizer import Detokenizer, StopStrings
 from eagle3_jax.serving.metrics import Metrics
 from eagle3_jax.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -79,7 +80,47 @@ def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | Non
     given = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p}
     sampling = {k: state.defaults[k] if v is None else v for k, v in given.items()}
     return dict(prompt=prompt, max_new_tokens=max_tokens, stop_token_ids=list(dict.fromkeys(stops)),
-                seed=body.seed, **sampling)
+                seed=body.seed, structured=_structured(body), **sampling)
+
+
+async def _compile(state: ServerState, structured: Structured | None) -> None:
+    """A new constraint compiled on a worker thread (up to its compile's bound), not on the event loop: the pool's
+    check then finds it in the engine's cache. Its errors are the check's to report."""
+    if structured is not None:
+        try:
+            await asyncio.to_thread(state.pool.engine.constraint, structured)
+        except (ValueError, ImportError):
+            pass  # raised again, as a 400 (or 501), by Generation's check
+
+
+def _structured(body) -> Structured | None:
+    """The request's constraint: response_format's or structured_outputs' (not both); ApiError(400) for a bad one.
+    Compiling it (the pool's check) raises the 400s of a regex or schema that does not compile."""
+    given = []
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type == "json_object":
+        given.append(dict(json_object=True))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs its json_schema")
+        given.append(dict(json_schema=rf.json_schema.schema_))
+    if so is not None:
+        fields = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("json_object", so.json_object)) if v not in (None, False)}
+        if isinstance(fields.get("json_schema"), str):
+            try:
+                fields["json_schema"] = json.loads(fields["json_schema"])
+            except json.JSONDecodeError as e:
+                raise ApiError(400, f"structured_outputs.json is not valid JSON: {e}") from None
+        given.append(fields)
+    if len(given) > 1:
+        raise ApiError(400, "give response_format or structured_outputs, not both")
+    if not given:
+        return None
+    try:
+        return Structured(**given[0])
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 class Generation:
@@ -93,6 +134,8 @@ class Generation:
             self.row = state.pool.check(**settings)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        except ImportError as e:  # structured outputs' optional dependency is not installed
+            raise ApiError(501, str(e), "server_error") from None
         self.usage = Usage(len(settings["prompt"]))
         self.finish_reason: str | None = None
         self._request_id: int | None = None
@@ -240,6 +283,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, http: Request):
         check_model(body.model)
         settings = _settings(state, body, _prompt_ids(state, body.prompt), body.max_tokens)
+        await _compile(state, settings["structured"])
         run = Generation(state, settings, body.stop_strings())
 
         def chunk(text, finish):
@@ -253,6 +297,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         settings = _settings(state, body, _chat_ids(state, body), body.max_completion_tokens or body.max_tokens)
+        await _compile(state, settings["structured"])
         run = Generation(state, settings, body.stop_strings())
         first = [True]
 

@@ -15,6 +15,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema (always enforced, whatever `strict` says)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of json (a schema, or its text), regex, choice, or
+    json_object; any other field (grammar, structural_tag, ...) is refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class _Generation(BaseModel):
     """Settings both endpoints take. None: the server's default (the target's generation_config.json)."""
 
@@ -32,6 +64,8 @@ class _Generation(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # an extension, as vLLM names it
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
