@@ -61,6 +61,7 @@ from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.engine_args import DEFAULT_PROPOSAL, PROPOSALS
 from eagle3_jax.decoding.request import Request
+from eagle3_jax.decoding.structured import Compiler, Structured, target_vocabulary
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 
@@ -140,7 +141,7 @@ class Engine:
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_chunk: int | None = None, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None, kv_tokens: int | None = None, page_size: int | None = None,
-                 prefill_sequences: int | None = None, prefix_caching: bool = True):
+                 prefill_sequences: int | None = None, prefix_caching: bool = True, constrain_drafts: bool = True):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
         in the row's own tokens, no weights), or None (spec off); anything else is refused.
         num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
@@ -186,7 +187,10 @@ class Engine:
         mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md); None: the target's
         (load_target(mesh=...)), else one device. A target and drafter not yet on it are placed there (the
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
-        the sizes."""
+        the sizes.
+        constrain_drafts: a constrained row's drafts follow its constraint too (masked proposals: the drafter's
+        chain moves the row's automaton along its own drafts, prompt lookup's proposal is cut where it leaves it);
+        False drafts unconstrained, for measuring what that gains (lossless either way: docs/structured.md)."""
         cfg = target.config
         proposer, dparams = proposer_lib.resolve(drafter)
         mesh = target.mesh if mesh is None else mesh
@@ -227,7 +231,9 @@ class Engine:
             kernels=kernels,
             exact=exact,
             held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto and self._holds else 0,
+            constrain_drafts=bool(constrain_drafts),
         )
+        self._compiler = None  # structured outputs' compiler, made on the first constraint (Engine.constraint)
         if mesh is not None:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
         self.page_pool = self._page_pool(kv_tokens, page_size or page_pool.default_page_size(max_len))
@@ -329,7 +335,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                  *, temperature=0.0, top_k=0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
                  repetition_penalty=1.0, logit_bias=None, logprobs=None, prompt_logprobs=None, trace: bool = False,
-                 progress: bool | None = None) -> list[Result]:
+                 progress: bool | None = None, structured=None) -> list[Result]:
         """Continuation of each prompt (token ids), in input order; see `Result`. Any number of prompts
         runs through the engine's pool of `max_batch` slots: a finished row's slot takes the next prompt.
 
@@ -358,11 +364,16 @@ class Engine:
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
         the round's one transfer either way, so tracing adds no device work and no transfer.
         progress: a progress bar (prompts done, tokens/s) on stderr; None shows it when there are more
-        prompts than slots."""
+        prompts than slots.
+        structured: an eagle3_jax.Structured for every prompt, or a list with one per prompt (None: a free row):
+        a constrained row's output is the target's under the constraint's mask (docs/structured.md), and it ends
+        at an end-of-sequence id its constraint allows, with finish_reason "stop" and the end id left out of
+        token_ids."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, frequency_penalty=frequency_penalty,
                                presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-                               logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               structured=structured)
         results: list[Result | None] = [None] * request.num_rows
         for i, result in self._completed(request, trace, progress_lib.checked(progress)):
             results[i] = result
@@ -371,9 +382,9 @@ class Engine:
     def as_completed(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                      stop_token_ids: Sequence[int] = (), *, trace: bool = False, progress: bool | None = False,
                      **settings) -> Iterator[tuple[int, Result]]:
-        """(prompt index, Result) for each prompt as it finishes; the arguments (settings: the sampling, penalty and
-        logprobs keywords) are `generate`'s. Safe to abandon at any point. A bad request raises here, before any
-        device work."""
+        """(prompt index, Result) for each prompt as it finishes; the arguments (settings: the sampling, structured,
+        penalty and logprobs keywords) are `generate`'s. Safe to abandon at any point. A bad request raises here,
+        before any device work."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, **settings)
         return self._completed(request, trace, progress_lib.checked(progress))
 
@@ -560,15 +571,35 @@ class Engine:
         return self._holds
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                **settings) -> Request:
+                *, structured=None, **settings) -> Request:
         """The request `generate` runs for these arguments (settings: its sampling, penalty and logprobs keywords),
-        checked against this engine's max_len and the target's vocabulary, and against what the engine can honour
-        (`check_outputs`); raises ValueError before any device work."""
+        checked against this engine's max_len and the target's vocabulary (and its constraints compiled), and
+        against what the engine can honour (`check_outputs`); raises ValueError before any device work."""
         self.device_events = []  # a request refused here did nothing on the device
+        constraints = None
+        if structured is not None:
+            count = len(prompts) if isinstance(prompts, (list, tuple)) or hasattr(prompts, "shape") else 0
+            given = structured if isinstance(structured, (list, tuple)) else [structured] * count
+            if len(given) != count:
+                raise ValueError(f"structured has {len(given)} values for {count} prompts")
+            constraints = [None if s is None else self.constraint(s) for s in given]
         request = Request.build(prompts, max_new_tokens, stop_token_ids, max_len=self.max_len,
-                                vocab_size=self.target.config.vocab_size, **settings)
+                                vocab_size=self.target.config.vocab_size, constraints=constraints, **settings)
         self.check_outputs(request)
         return request
+
+    def constraint(self, structured):
+        """A Structured compiled for the target's vocabulary (decoding/automaton.py), cached by its text: the
+        target folder's tokenizer and its end-of-sequence ids (generation_config.json's, else the tokenizer's).
+        ValueError for anything that is not a Structured, a target without a tokenizer, an engine on a mesh, or a
+        constraint that does not compile."""
+        if not isinstance(structured, Structured):
+            raise ValueError(f"structured must be an eagle3_jax.Structured or None, got {type(structured).__name__}")
+        if self._spec.tp is not None:
+            raise ValueError("structured outputs are not supported on a tensor-parallel mesh")
+        if self._compiler is None:
+            self._compiler = Compiler(target_vocabulary(self.target.folder, self.target.config.vocab_size))
+        return self._compiler(structured)
 
     def _pool_rows(self, request: Request) -> int:
         """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from eagle3_jax.decoding import gamma_policy, slots, spec_round
+from eagle3_jax.decoding import gamma_policy, grammar, slots, spec_round
 from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row
 from eagle3_jax.decoding.request import Request
 
@@ -79,6 +79,7 @@ class LivePool:
                                         alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
                                         with_next=engine.holds_pairs, history=engine.keeps_history)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
+        self._grammar_version = 0  # the layout of the constrained rows' automata the rows hold (grammar.Registry)
         # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it,
         # the chunk's prompt segments) dispatched, unread
         self._queue: collections.deque = collections.deque()
@@ -110,12 +111,15 @@ class LivePool:
         """Requests queued for a slot (submitted ones the scheduler has not taken yet included)."""
         return len(self._scheduler.waiting) + sum(1 for item in list(self._inbox) if item[0] == "add")
 
-    def check(self, prompt, max_new_tokens, stop_token_ids=(), **settings) -> Request:
+    def check(self, prompt, max_new_tokens, stop_token_ids=(), *, structured=None, **settings) -> Request:
         """The one-row request `submit` queues for these arguments (live_plan.live_row; settings: Engine.generate's
         sampling, penalties, logit_bias and logprobs keywords), refused (ValueError) where the engine cannot honour
-        it (Engine.check_outputs)."""
+        it (Engine.check_outputs); structured: an eagle3_jax.Structured, compiled here (Engine.constraint: cached by
+        its text)."""
+        constraint = None if structured is None else self.engine.constraint(structured)
         row = live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
-                       vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width, **settings)
+                       vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
+                       constraint=constraint, **settings)
         self.engine.check_outputs(row)
         return row
 
@@ -253,6 +257,9 @@ class LivePool:
             self._rows = jit_release(self._rows, steps.put(index))
         if step.page_table is not None:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
+        if scheduler.grammar.version != self._grammar_version:  # the constrained rows' automata changed
+            self._rows = grammar.installed(self._rows, scheduler.grammar, steps.put)
+            self._grammar_version = scheduler.grammar.version
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
         build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
@@ -294,4 +301,4 @@ def device_chunks(chunk, rows: np.ndarray | None = None, capacity: int = 0) -> s
         slot = position[np.minimum(slot, capacity)]
     return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, slot, chunk.next_token,
                             chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history,
-                            chunk.penalties)
+                            chunk.penalties, chunk.grammar)

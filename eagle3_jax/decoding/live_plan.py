@@ -55,6 +55,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import logprobs as logprobs_lib
 from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
 from eagle3_jax.decoding.penalties import Penalties
@@ -100,6 +101,7 @@ class ChunkPlan:
     alone: bool  # a call of its own (an exact engine's; R = 1), not riding in a call of rounds
     # [R, P, max_len] int32: a final segment's whole sequence (prompt lookup's; a penalized sequence's: penalties.py)
     history: np.ndarray | None = None
+    grammar: grammar_lib.Rows | None = None  # [R, P] final segments' automata and states, while the pool has any
     penalties: Penalties | None = None  # [R, P] each sequence's penalties and logit_bias
     # (round, request id, offset in tokens, start position, tokens) of each segment whose prompt logprobs are asked for
     prompt_segments: tuple = ()
@@ -169,6 +171,7 @@ class _Live:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
+    placed: bool = False  # its constraint is laid out in the pool's automata (grammar.Registry) for its row
     prompt_logprobs: list | None = None  # its prompt tokens' logprobs as its chunks report them (when asked for)
 
     def asks(self, field: str) -> bool:
@@ -240,6 +243,7 @@ class LiveScheduler:
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
         self._last_gamma = max_gamma  # the latest dispatched call's gamma: what a call in flight may emit
+        self.grammar = grammar_lib.Registry()  # the constrained rows' automata, for the runner's tables
 
     @property
     def running(self) -> int:
@@ -413,6 +417,9 @@ class LiveScheduler:
         self.pages.give_back(live.pages)
         live.pages, live.unread = [], collections.deque()
         self._table_changed = True
+        if live.placed:
+            self.grammar.release(live.row.constraint(0))
+            live.placed = False
 
     def _chunks(self, rounds: int, joiners: list, alone: bool = False) -> ChunkPlan | None:
         """The prompt tokens of a call's `rounds` rounds (one forward each), each round's segments planned after the
@@ -421,7 +428,7 @@ class LiveScheduler:
         # A penalized sequence that may join brings its whole sequence (penalties count over it).
         history = self.history or any(live.penalized for live in self.requests.values() if not live.joined)
         plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.capacity,
-                           alone, self.max_len if history else 0, rounds)
+                           alone, self.max_len if history else 0, rounds, grammar=True)
         laid = False
         for j in range(rounds):
             segments = self._segments(0 if alone else rounds - 1 - j)
@@ -430,6 +437,8 @@ class LiveScheduler:
             laid = True
             for live in self._lay_out(plan, j, segments):
                 joiners.append((live, j))
+        if not self.grammar.active:  # the chunk carries the constrained rows' states only while the pool has any
+            plan = dataclasses.replace(plan, grammar=None)
         return dataclasses.replace(plan, prompt_segments=tuple(plan.prompt_segments)) if laid else None
 
     def _segments(self, after: int) -> list[tuple[_Live, int]]:
@@ -545,9 +554,21 @@ class LiveScheduler:
                 joined.append(live)
                 if plan.history is not None:
                     plan.history[j, p, : len(sequence)] = sequence
+                self._place(live, plan, j, p, resume)
             plan.cu[j, p + 1] = at
         plan.cu[j, len(segments) + 1 :] = at
         return joined
+
+    def _place(self, live: _Live, plan: ChunkPlan, j: int, p: int, resume: int) -> None:
+        """A joining constrained row's automaton laid out, and its state for round j's segment p: the initial one, or
+        a recompute's after every token it emitted (its resume token the last)."""
+        automaton = live.row.constraint(0)
+        if automaton is None:
+            return
+        k, offset = self.grammar.place(automaton)
+        live.placed = True
+        local = automaton.initial if resume < 0 else automaton.walk(live.tokens)
+        plan.grammar.table[j, p], plan.grammar.state[j, p] = k, offset + local if local >= 0 else grammar_lib.FREE
 
     def read(self, kind: str, gamma: int, owners: np.ndarray | None, outputs: np.ndarray,
              chunk_owners: np.ndarray | None = None, synced: bool = True, prompt_segments: tuple = ()) -> list[Event]:
@@ -649,16 +670,20 @@ class LiveScheduler:
         reason = None
         if done:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
+            automaton = live.row.constraint(0)
+            if automaton is not None and new and new[-1] in automaton.eos:
+                new = new[:-1]  # a constrained row's end: its output is the constrained text alone
             self._free_slot(live)  # done on the device already: nothing to release
             del self.requests[request_id]
         return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached, logprobs, prompt_logprobs)
 
 
 def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
-                history: int = 0, rounds: int = 1) -> ChunkPlan:
+                history: int = 0, rounds: int = 1, grammar: bool = False) -> ChunkPlan:
     """Chunks of no sequence (nothing is written, nothing joins) of these shapes, one per round of `rounds`: tokens
     [tokens], segments [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size`
-    (none), and histories of `history` tokens (0: none)."""
+    (none), histories of `history` tokens (0: none), and the segments' automaton states when `grammar` (all free).
+    """
     R, P = rounds, sequences
     settings = SamplingParams(np.zeros((R, P), np.float32), np.zeros((R, P), np.int32), np.ones((R, P), np.float32),
                               np.zeros((R, P, 2), np.uint32))
@@ -667,11 +692,13 @@ def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: 
                      np.full((R, P), -1, np.int32), np.zeros((R, P), np.int32), np.ones((R, P), np.int32),
                      np.full((R, P, stop_width), -1, np.int32), settings, np.full((R, P), -1, np.int64), alone,
                      np.zeros((R, P, history), np.int32) if history else None,
+                     grammar_lib.Rows(np.zeros((R, P), np.int32), np.full((R, P), grammar_lib.FREE, np.int32))
+                     if grammar else None,
                      jax.tree.map(lambda x: np.tile(x, (R,) + (1,) * x.ndim), Penalties.neutral(P)), [])
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
-             **settings) -> Request:
+             constraint=None, **settings) -> Request:
     """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
     whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
     even when greedy (temperature 0), so that every row of a live pool has the same fields. settings:
@@ -679,7 +706,10 @@ def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_s
     stops = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
     if isinstance(stops, list) and len(stops) > stop_width:
         raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
-    row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size, **settings)
+    row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
+                        constraints=[constraint], **settings)
+    if row.stop_ids.shape[1] > stop_width and np.sum(row.stop_ids[0] >= 0) > stop_width:
+        raise ValueError(f"at most {stop_width} stop token ids per request, the constraint's end ids included")
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given
@@ -739,5 +769,6 @@ def stack(rows: list[Request], num_rows: int, max_len: int) -> Request:
                                                                             getattr(r, field) is not None else none)
 
     together = Request(tokens, cat(lambda r: r.lengths), cat(lambda r: r.max_new), cat(lambda r: r.stop_ids),
-                       sampling, penalties, counts("logprobs"), counts("prompt_logprobs"))
+                       sampling, penalties=penalties, logprobs=counts("logprobs"),
+                       prompt_logprobs=counts("prompt_logprobs"))
     return together.take(list(range(len(rows))), num_rows, max_len)

@@ -39,6 +39,8 @@ class Request:
     max_new: np.ndarray  # [B] int32: the most tokens each row may emit (max_new_tokens, at most max_len)
     stop_ids: np.ndarray  # [B, P] int32: each row's stop token ids, padded with -1
     sampling: SamplingParams | None  # each row's settings; None when every row is greedy
+    # each row's compiled constraint (decoding/automaton.Automaton) or None (free); None when no row is constrained
+    constraints: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
     penalties: Penalties | None = None  # each row's penalties and logit_bias; None when no row has any
     # [B] int32: the alternatives each row's tokens report with their logprobs (0 .. logprobs.TOP; -1: no logprobs);
     # None when no row asks for logprobs
@@ -95,21 +97,34 @@ class Request:
             p = self.penalties
             penalties = Penalties(pick(p.frequency, 0), pick(p.presence, 0), pick(p.repetition, 1),
                                   pick(p.bias_ids, -1), pick(p.bias, 0))
+        constraints = None
+        if self.constraints is not None:
+            constraints = tuple(self.constraints[r] for r in rows) + (None,) * (num_rows - len(rows))
         return Request(tokens=pick(self.tokens[:, : self.padded_length(rows, max_len)], 0),
                        lengths=pick(self.lengths, 1), max_new=pick(self.max_new, 1),
-                       stop_ids=pick(self.stop_ids, -1), sampling=sampling, penalties=penalties,
-                       logprobs=None if self.logprobs is None else pick(self.logprobs, -1),
+                       stop_ids=pick(self.stop_ids, -1), sampling=sampling, constraints=constraints,
+                       penalties=penalties, logprobs=None if self.logprobs is None else pick(self.logprobs, -1),
                        prompt_logprobs=None if self.prompt_logprobs is None else pick(self.prompt_logprobs, -1))
+
+    def constraint(self, row: int):
+        """The row's compiled constraint, or None."""
+        return None if self.constraints is None else self.constraints[row]
 
     @classmethod
     def build(cls, prompts, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int,
-              temperature=0.0, top_k=0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
-              repetition_penalty=1.0, logit_bias=None, logprobs=None, prompt_logprobs=None) -> Request:
-        """The request `Engine.generate` describes (see there), checked: ValueError on any bad value."""
+              temperature=0.0, top_k=0, top_p=1.0, seed=None, constraints=None, frequency_penalty=0.0,
+              presence_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None,
+              prompt_logprobs=None) -> Request:
+        """The request `Engine.generate` describes (see there), checked: ValueError on any bad value.
+        constraints: None, or one compiled constraint (or None) per prompt; a constrained row also stops at its
+        constraint's end ids."""
         rows = _prompt_rows(prompts, max_len, vocab_size)
         B = len(rows)
         budgets = _max_new(max_new_tokens, B)
         stops = _stop_lists(stop_token_ids, B, vocab_size)
+        if constraints is not None:
+            stops = [s + [e for e in c.eos if e not in s] if c is not None else s for s, c in zip(stops, constraints)]
+            constraints = tuple(constraints) if any(c is not None for c in constraints) else None
         tokens = np.zeros((B, bucket_length(max(len(p) for p in rows), max_len)), np.int32)
         for i, p in enumerate(rows):
             tokens[i, : len(p)] = p
@@ -120,7 +135,7 @@ class Request:
         # No row can emit more than max_len tokens: the clamp keeps the int32 in range.
         max_new = np.array([min(m, max_len) for m in budgets], np.int32)
         return cls(tokens, np.array([len(p) for p in rows], np.int32), max_new, stop_ids,
-                   _sampling_settings(B, temperature, top_k, top_p, seed),
+                   _sampling_settings(B, temperature, top_k, top_p, seed), constraints,
                    _penalty_settings(B, vocab_size, frequency_penalty, presence_penalty, repetition_penalty,
                                      logit_bias),
                    _logprob_counts("logprobs", logprobs, B), _logprob_counts("prompt_logprobs", prompt_logprobs, B))

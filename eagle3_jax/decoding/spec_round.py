@@ -39,13 +39,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import logprobs as logprobs_lib
 from eagle3_jax.decoding import penalties as penalties_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
-from eagle3_jax.decoding.prompt_lookup import PromptLookup
+from eagle3_jax.decoding.prompt_lookup import NO_DRAFT, PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.collectives import Shards, Vocab
@@ -84,6 +85,10 @@ class DecodeState:
     history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
     # penalties and logit_bias (penalties.py): every row's settings, and a penalized row's sequence; None on a mesh
     penalty: penalties_lib.PenaltyState | None = None
+    # Structured outputs (decoding/grammar.py): each row's automaton state (FREE: unconstrained), and the pool's
+    # automata (no batch axis); both None while no row of the pool is constrained.
+    grammar: grammar_lib.Rows | None = None
+    grammar_tables: grammar_lib.Tables | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,9 @@ class StepSpec:
     # Each chunk (in a round's forward, or a call of its own) also reports every position's next-token logprobs
     # (`_prompt_rows`; with logprobs).
     prompt_logprobs: bool = False
+    # Constrained rows' drafts follow their automata too (masked proposals); False drafts unconstrained (lossless
+    # either way: the target's side is masked), for measuring what the masks gain.
+    constrain_drafts: bool = True
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -182,6 +190,9 @@ class Chunk:
     history: jax.Array | None = None  # [P, max_len] int32: a final segment's whole sequence, for a proposer's history
     # [P] each sequence's penalties and logit_bias (a penalized final segment's chunk carries its history too)
     penalties: penalties_lib.Penalties | None = None
+    # [P] a final segment's automaton and state (grammar.Rows): its initial state, or a recompute's state after its
+    # resume token; present whenever the pool's grammar is
+    grammar: grammar_lib.Rows | None = None
 
     @property
     def layout(self) -> Layout:
@@ -278,9 +289,12 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     # A penalized sequence's chunk carries its history (the whole sequence), from which its penalties count.
     penalized = spec.penalties and state.penalty is not None and chunk.history is not None
     prompt_lengths = penalties_lib.prompt_lengths_of(n, chunk.generated)
-    scored = logits
+    scored = logits  # the logprobs below stay the raw logits'
     if penalized:
         scored = penalties_lib.first_logits(logits, chunk.penalties, chunk.history, n, prompt_lengths)
+    if chunk.grammar is not None:  # a constrained row's first token follows its automaton
+        scored = grammar_lib.mask(state.grammar_tables, chunk.grammar.table, chunk.grammar.state[:, None],
+                                  scored[:, None])[:, 0]
     first = vocab.argmax(scored)
     if spec.sampling:
         s = chunk.sampling
@@ -301,6 +315,10 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, False, done)
     joined = {"page_table": chunk.table, "lengths": n, "last_token": first, "num_generated": chunk.generated + num_emit,
               "max_new": chunk.max_new, "stop_ids": chunk.stop_ids, "done": done, "sampling": chunk.sampling, **own}
+    if chunk.grammar is not None:
+        g = chunk.grammar
+        joined["grammar"] = dataclasses.replace(g, state=jnp.where(
+            resumed, g.state, grammar_lib.advance(state.grammar_tables, g.table, g.state, first)))
     slots = jnp.where(final, chunk.slot, state.done.shape[0])  # a segment that does not end its prompt: dropped
     state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
                                                              getattr(state, name), value)
@@ -369,6 +387,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     if G > 0:
         with jax.named_scope("draft"):
             drafts, draft_q, q_ids, carry = proposer.propose(dparams, tparams, state, keys, spec)
+        if state.grammar is not None and proposer.partial and spec.constrain_drafts:
+            drafts = grammar_lib.cut(state.grammar, grammar_lib.along(state.grammar_tables, state.grammar, drafts),
+                                     drafts, NO_DRAFT)
         verified = drafts
         # Drafts past a row's proposal are never judged; they go through verify as token 0 (static shapes), and
         # their entries lie past the committed length, stale.
@@ -397,9 +418,12 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
                          _prompt_rows(tparams, hidden[0, B * T:], chunk, spec) if spec.prompt_logprobs else None)
             logits = both[: B * T].reshape(B, T, -1)
             features = None if features is None else features[0, : B * T].reshape(B, T, -1)
-        # The rows' penalties and logit_bias, each position counting the drafts before it (penalties.py); the
-        # logprobs below stay the raw logits'.
+        # The rows' penalties and logit_bias, each position counting the drafts before it (penalties.py), then the
+        # constrained rows' masks; the logprobs below stay the raw logits'.
         scored = penalties_lib.verify_logits(logits, state.penalty, n, drafts) if spec.penalties else logits
+        if state.grammar is not None:  # the target's choices follow each row's automaton along the drafts
+            states = grammar_lib.along(state.grammar_tables, state.grammar, drafts)
+            scored = grammar_lib.mask(state.grammar_tables, state.grammar.table, states, scored)
         choices, accepted = _verify(state, scored, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
@@ -416,6 +440,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     if spec.penalties:
         new_state = dataclasses.replace(new_state, penalty=penalties_lib.committed(state.penalty, n, choices,
                                                                                    state.done))
+    if state.grammar is not None:
+        new_state = dataclasses.replace(new_state, grammar=grammar_lib.committed(
+            state.grammar_tables, state.grammar, states, choices, accepted, live))
     shadow = None
     if proposer is not None and (G > 0 or not proposer_lib.holds_pairs(proposer)):
         with jax.named_scope("rebuild"):

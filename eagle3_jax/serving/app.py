@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle3_jax.decoding.request import check_room
+from eagle3_jax.decoding.structured import Structured
 from eagle3_jax.serving.detokenizer import Detokenizer, StopStrings
 from eagle3_jax.serving.metrics import Metrics
 from eagle3_jax.serving.protocol import (
@@ -94,6 +95,16 @@ def _settings(state: ServerState, body, prompt: list[int], max_tokens: int | Non
                 **sampling, **outputs)
 
 
+async def _compile(state: ServerState, structured: Structured | None) -> None:
+    """A new constraint compiled on a worker thread (up to its compile's bound), not on the event loop: the pool's
+    check then finds it in the engine's cache. Its errors are the check's to report."""
+    if structured is not None:
+        try:
+            await asyncio.to_thread(state.pool.engine.constraint, structured)
+        except (ValueError, ImportError):
+            pass  # raised again, as a 400 (or 501), by Generation's check
+
+
 # The request field the live pool's check names in its message (the first word found).
 _PARAMS = (("logit_bias", "logit_bias"), ("stop token", "stop_token_ids"), ("prompt", "prompt"),
            ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
@@ -121,6 +132,8 @@ class Generation:
             self.row = state.pool.check(**settings)
         except ValueError as e:
             raise ApiError(400, str(e), param=next((p for word, p in _PARAMS if word in str(e)), None)) from None
+        except ImportError as e:  # structured outputs' optional dependency is not installed
+            raise ApiError(501, str(e), "server_error") from None
         self.prompt = settings["prompt"]
         self.prompt_logprobs: list | None = None  # with echo and logprobs: the prompt tokens' (its first None)
         self.usage = Usage(len(self.prompt))
@@ -315,7 +328,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(400, str(e), param="prompt") from None
         ids = [_prompt_ids(state, p) for p in prompts]
         # echo with logprobs: the prompt's too, from its own prefill (a prefix cache hit would hold no logits)
-        outputs = body.output_settings(body.logprobs, body.logprobs if body.echo else None)
+        outputs = {**body.output_settings(body.logprobs, body.logprobs if body.echo else None),
+                   "structured": body.structured()}
+        await _compile(state, outputs["structured"])
         runs = _choices(state, body, ids, body.max_tokens, outputs)
         echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if body.echo else None
         return await _respond(state, body, http, runs, "cmpl", "text_completion", "text_completion",
@@ -326,8 +341,9 @@ def build_app(state: ServerState) -> FastAPI:
         body = await read_body(http, ChatCompletionRequest)
         check_model(body.model)
         prompt = _chat_ids(state, body)
-        runs = _choices(state, body, [prompt], body.max_completion_tokens or body.max_tokens,
-                        body.output_settings(body.logprob_count()))
+        outputs = {**body.output_settings(body.logprob_count()), "structured": body.structured()}
+        await _compile(state, outputs["structured"])
+        runs = _choices(state, body, [prompt], body.max_completion_tokens or body.max_tokens, outputs)
         return await _respond(state, body, http, runs, "chatcmpl", "chat.completion", "chat.completion.chunk",
                               ChatChoices(state.tokenizer, body.logprob_count()))
 

@@ -11,7 +11,7 @@ unknown field may change the output: it is named in the 400). Fields that change
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
@@ -19,13 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from eagle3_jax.decoding.logprobs import TOP as MAX_LOGPROBS
 from eagle3_jax.decoding.penalties import BIAS_LIMIT, BIAS_WIDTH, PENALTY_LIMIT
 from eagle3_jax.decoding.request import is_int
+from eagle3_jax.decoding.structured import Structured
 
 SEED_LIMIT = 2**64
 MAX_N = 16  # choices per prompt (`n`)
 MAX_CHOICES = 256  # choices per request: prompts x n
-NO_EFFECT = ("user", "metadata", "store")  # accepted fields that change nothing
 # Declared fields this server does not honour, refused whenever given a value that would change the output.
-GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)]
 
 
@@ -33,6 +33,38 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema (always enforced, whatever `strict` says)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of json (a schema, or its text), regex, choice, or
+    json_object; any other field (grammar, structural_tag, ...) is refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
 
 
 class _Generation(BaseModel):
@@ -62,12 +94,13 @@ class _Generation(BaseModel):
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-BIAS_LIMIT, le=BIAS_LIMIT)]] | None = None  # token id -> bias
+    # Structured outputs (docs/structured.md).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # an extension, as vLLM names it
     # Refused at a value that changes the output (`refusal`).
-    response_format: dict | None = None
     min_p: float | None = None
     min_tokens: int | None = None
     prompt_logprobs: object = None
-    structured_outputs: object = None
     guided_json: object = None
     guided_regex: object = None
     guided_choice: object = None
@@ -87,6 +120,37 @@ class _Generation(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def structured(self) -> Structured | None:
+        """The request's constraint: response_format's or structured_outputs' (not both); ApiError(400) for a bad
+        one. Compiling it (the pool's check) raises the 400s of a regex or schema that does not compile."""
+        given = []
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type == "json_object":
+            given.append(dict(json_object=True))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs its json_schema",
+                               param="response_format")
+            given.append(dict(json_schema=rf.json_schema.schema_))
+        if so is not None:
+            fields = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                        ("json_object", so.json_object)) if v not in (None, False)}
+            if isinstance(fields.get("json_schema"), str):
+                try:
+                    fields["json_schema"] = json.loads(fields["json_schema"])
+                except json.JSONDecodeError as e:
+                    raise ApiError(400, f"structured_outputs.json is not valid JSON: {e}",
+                                   param="structured_outputs") from None
+            given.append(fields)
+        if len(given) > 1:
+            raise ApiError(400, "give response_format or structured_outputs, not both")
+        if not given:
+            return None
+        try:
+            return Structured(**given[0])
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
     def output_settings(self, logprobs: int | None, prompt_logprobs: int | None = None) -> dict:
         """The live pool's penalty, logit_bias and logprobs arguments (LivePool.check)."""
         return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
@@ -102,10 +166,7 @@ class _Generation(BaseModel):
                           "(docs/serving.md lists the fields it takes)")
         for name in GUIDED:
             if getattr(self, name) is not None:
-                return name, f"`{name}` (constrained output) is not supported by this server"
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format", ("`response_format` other than {\"type\": \"text\"} is not supported by this "
-                                       "server")
+                return name, f"`{name}` (vLLM's older name) is not served: give `structured_outputs`"
         if self.min_p not in (None, 0):
             return "min_p", "`min_p` is not supported by this server (use top_p or top_k)"
         if self.min_tokens not in (None, 0):
