@@ -13,6 +13,7 @@ os.environ["EAGLE3_JAX_COMPILE_CACHE"] = ""
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: numerical checks at real shapes on a GPU (pytest -m gpu)")
+    config.addinivalue_line("markers", "lm_eval: lm-evaluation-harness against the server (the lm-eval extra)")
     if config.option.markexpr != "gpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         # The CPU suite's time is mostly XLA compiling tiny programs; without its optimisation passes it

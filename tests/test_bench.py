@@ -12,7 +12,19 @@ import pytest
 
 import pallas_kernels
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, round_ab, sampling, structured
+from eagle3_jax_bench import (
+    bench,
+    checks,
+    dense,
+    lookup,
+    moe,
+    moe_layer,
+    outputs,
+    profile,
+    round_ab,
+    sampling,
+    structured,
+)
 from eagle3_jax_bench.core import Run
 
 from cuda_lowering import lower_for_cuda
@@ -451,6 +463,18 @@ def test_round_ab_dry_run(tmp_path, capsys):
     assert "last / first" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         round_ab.main(["--out", str(tmp_path / "ab.json")])
+
+
+def test_outputs_section(tmp_path, capsys):
+    """`--outputs-only` at tiny shapes: each build's call of rounds (default, logprobs, penalties, both) timed from
+    the same state, spec off and at gamma 3, with its cost over the default build's (times are not asserted)."""
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--kernels", "xla", "--outputs-only"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["outputs"]
+    assert [(r["batch"], r["gamma"]) for r in rows] == [(2, 0), (2, 3)]
+    for r in rows:
+        assert all(r[f"{name}_ms"] > 0 and r["compile_s"][name] > 0 for name in outputs.BUILDS)
+        assert {"logprobs_extra", "penalties_extra", "both_extra"} <= set(r)
+    assert "outputs b2 g3: round" in capsys.readouterr().out
 
 
 def test_structured_bench_dry_run(tmp_path, capsys):

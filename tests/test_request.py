@@ -11,6 +11,7 @@ import pytest
 
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding import logprobs
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput, pack, width
@@ -54,8 +55,23 @@ def test_round_output_unpacks_what_pack_wrote():
     assert out.shadow.tolist() == [[3, 4], [0, 0]]
     one, no_drafts = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32)
     assert RoundOutput.unpack(np.asarray(pack(one[:, None], no_drafts, one, one, one)), 0).shadow.tolist() == [[0, 0]]
-    with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns, got 10"):
+    with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns \\(176 with logprobs\\), got 10"):
         RoundOutput.unpack(np.asarray(packed), 3)
+    # With logprobs: their columns before the shadow's (which _catch_up writes last), floats bitcast.
+    logits = jnp.array([[0.0, 2.0, 1.0]] * 3 + [[3.0, 3.0, -1.0]] * 3, jnp.float32)  # [B (gamma + 1), V]
+    choices = jnp.array([[1, 2, 0], [0, 1, 2]])
+    columns = logprobs.columns(logits, choices.reshape(-1)).reshape(2, gamma + 1, -1)
+    packed = pack(choices, jnp.array([[7, 1], [2, 3]]), jnp.array([3, 1]), jnp.array([2, 0]),
+                  jnp.array([True, False]), jnp.array([[3, 4], [0, 0]]), columns)
+    assert packed.shape == (2, width(gamma, logprobs=True)) == (2, 2 * gamma + 6 + 3 * (1 + 2 * logprobs.TOP))
+    out = RoundOutput.unpack(np.asarray(packed), gamma)
+    assert out.shadow.tolist() == [[3, 4], [0, 0]] and out.tokens == [[1, 2, 0], [0]]
+    lse = np.log(np.exp([0.0, 2.0, 1.0]).sum())
+    (first, second, third) = logprobs.unpack(out.logprobs[0], 2)
+    assert first.logprob == pytest.approx(2.0 - lse) and second.logprob == pytest.approx(1.0 - lse)
+    assert first.top == [(1, pytest.approx(2.0 - lse)), (2, pytest.approx(1.0 - lse))]
+    (tied,) = logprobs.unpack(out.logprobs[1, :1], 3)  # equal logits: the higher id first; V 3 < TOP: no padding
+    assert [t for t, _ in tied.top] == [1, 0, 2] and third.logprob == pytest.approx(-lse)
 
 
 def engine_parts(max_positions: int = 1024):
