@@ -21,22 +21,33 @@ import jax
 
 PACKAGES = ("eagle3_jax", "pallas_kernels")  # the sources a program is built from
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program loaded from the persistent cache
 
 
 class Compilations:
-    """Counts the process's XLA backend compilations from now on (JAX's monitoring event: a program loaded from
-    the persistent cache is not one), until `close`."""
+    """Counts the process's XLA compilations from now on, until `close`: JAX's backend-compile events, less its
+    persistent cache's hits (a program loaded from the cache passes through the same step, and emits both)."""
 
     def __init__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        self.requests = self.hits = 0
+        jax.monitoring.register_event_duration_secs_listener(self._timed)
+        jax.monitoring.register_event_listener(self._event)
 
-    def _listen(self, event: str, duration: float, **kwargs) -> None:
+    @property
+    def count(self) -> int:
+        return self.requests - self.hits
+
+    def _timed(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
-            self.count += 1
+            self.requests += 1
+
+    def _event(self, event: str, **kwargs) -> None:
+        if event == CACHE_HIT_EVENT:
+            self.hits += 1
 
     def close(self) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        jax.monitoring.unregister_event_duration_listener(self._timed)
+        jax.monitoring.unregister_event_listener(self._event)
 
 
 @functools.cache

@@ -112,4 +112,5 @@ def serve(args) -> int:
         DrainingServer(config, state, args.drain_s).run()
     finally:
         pool.close()
+        compilations.close()
     return 0
