@@ -23,6 +23,7 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
     if os.environ.get(PROGRAM_TABLE):
         jax.monitoring.register_event_duration_secs_listener(_count_program)
 
@@ -61,21 +62,29 @@ def pytest_sessionfinish(session):
                 out.write(json.dumps({"file": name, **counts}) + "\n")
 
 
-# Each executable XLA:CPU compiles keeps its own memory mappings, and jax keeps every executable: a worker that runs
-# many test files can pass the kernel's mapping limit (vm.max_map_count, 65530 by default), and XLA then crashes in
-# its next compile (a segfault). Between test files, jax's caches are cleared once a worker holds more than 3/4 of the
-# limit, which frees their mappings; below that, later files keep reusing earlier compilations.
+# Each program XLA:CPU compiles keeps three memory mappings per kernel (code, constants, data: about 330 for one of
+# the engine's tiny calls), and jax keeps every program: a worker that runs many tests passes the kernel's mapping
+# limit (vm.max_map_count, 65530 by default) after about 200 of them, and XLA then fails its next compile ("Cannot
+# allocate memory") or crashes. After any test that compiled 16 programs or more since the last count, the worker's
+# mappings are counted, and past half the limit jax's caches are cleared, which frees them; below that, later tests
+# keep reusing earlier compilations.
 _MAPS = Path("/proc/self/maps")
 _MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+_compiled_since_count = [0]
 
 
-@pytest.fixture(autouse=True, scope="module")
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    _compiled_since_count[0] += event == "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(autouse=True)
 def _bounded_memory_mappings():
     yield
-    if _MAPS.exists() and _MAP_LIMIT.exists():
+    if _compiled_since_count[0] >= 16 and _MAPS.exists() and _MAP_LIMIT.exists():
+        _compiled_since_count[0] = 0
         with _MAPS.open() as maps:
             count = sum(1 for _ in maps)
-        if count > 3 * int(_MAP_LIMIT.read_text()) // 4:
+        if count > int(_MAP_LIMIT.read_text()) // 2:
             import jax
 
             jax.clear_caches()
