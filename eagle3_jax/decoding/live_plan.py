@@ -118,7 +118,9 @@ class Event:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     gamma: int | None = None  # a speculative round's drafts per round (0 included); None for a first token, spec off
-    trace: tuple[list[int], list[int]] | None = None  # with trace: a speculative round's (drafts, target choices)
+    # with trace: a speculative round's (drafts, target choices), and a draft tree's (its nodes' tokens, the choices
+    # along its path, its nodes' parents, its path's nodes) (engine.round_trace)
+    trace: tuple[list[int], ...] | None = None
     cached_tokens: int = 0  # with the first token: the prompt tokens served from the prefix cache
 
 
@@ -175,12 +177,15 @@ class LiveScheduler:
     its kernels' results must not depend on a chunk beside them); prefix_caching, with_next: whether sequences
     share cached prefixes, and whether a page's key holds the token after it (page_pool.chain_keys); history:
     whether a chunk carries each final segment's whole sequence (prompt lookup's history, which a cached prefix
-    would leave without the tokens no chunk holds)."""
+    would leave without the tokens no chunk holds); tree_nodes: a draft tree's nodes (its rounds' outputs carry the
+    tree: round_output), 0 for a chain; scratch: positions a call's last round writes past the R (G + 1) it may
+    commit (a tree's nodes and beams past its depth: Engine.scratch), which its rows' pages must hold too."""
 
     def __init__(self, max_batch: int, max_len: int, prefill_chunk: int, prefill_sequences: int,
                  rounds_per_call: int, policy: Policy, speculative: bool, pages: PagePool, width: int,
                  max_gamma: int, stop_width: int, shrink: bool = True, trace: bool = False, alone: bool = False,
-                 prefix_caching: bool = False, with_next: bool = False, history: bool = False):
+                 prefix_caching: bool = False, with_next: bool = False, history: bool = False, tree_nodes: int = 0,
+                 scratch: int = 0):
         self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
         self.rounds_per_call, self.policy, self.speculative = rounds_per_call, policy, speculative
         self.pages, self.width, self.max_gamma, self.stop_width = pages, width, max_gamma, stop_width
@@ -189,6 +194,7 @@ class LiveScheduler:
         self.prefix_caching, self.with_next = prefix_caching, with_next
         self.history = history  # chunks carry a final segment's whole sequence (a proposer's token history)
         self.chunk_sequences = prefill_sequences
+        self.tree_nodes, self.scratch = tree_nodes, scratch
         self.size = 0  # the pool's slots (0: no pool yet)
         self.owner = np.zeros((0,), np.int64)  # request id per slot, -1 free
         self.waiting: collections.deque[int] = collections.deque()
@@ -266,7 +272,8 @@ class LiveScheduler:
                 rounds = ahead
         # The call's pages; when the running rows' are not free, the call waits for what is in flight to be read, or
         # preempts when nothing is.
-        if rounds is not None and not self._grow(self.rounds_per_call * (rounds.gamma + 1), idle, preempted):
+        if rounds is not None and not self._grow(self.rounds_per_call * (rounds.gamma + 1) + self.scratch, idle,
+                                                 preempted):
             rounds = None
         busy = self._running()  # the call's rows: not the preempted ones, nor those this step's chunk joins
         # A chunk rides in the call of rounds; with no row running (or for an exact engine) it is a call of its own.
@@ -366,7 +373,7 @@ class LiveScheduler:
         kept free first; a prefilling sequence takes its segment's pages beside it; a waiting one is admitted only
         while its whole prompt and first call fit beside that and every prefilling sequence's rest, so a sequence
         admitted can always finish its prompt. None when no prompt token can go."""
-        tail = self.rounds_per_call * (self.max_gamma + 1)
+        tail = self.rounds_per_call * (self.max_gamma + 1) + self.scratch
         size = self.pages.page_size
         reserved = sum(max(self._need(self.requests[r], tail), 0) for r in self._running())
         prefilling = sorted((self.requests[int(r)] for r in self.owner if r >= 0 and not self.requests[int(r)].joined),
@@ -494,7 +501,7 @@ class LiveScheduler:
 
     def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
         events = []
-        out = RoundOutput.unpack(outputs, gamma)
+        out = RoundOutput.unpack(outputs, gamma, self.tree_nodes)
         for p, r in enumerate(owners.tolist()):
             live = self.requests.get(r)
             if live is None or live.slot < 0 or self.owner[live.slot] != r or live.prefilled:
@@ -511,11 +518,14 @@ class LiveScheduler:
             if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
                 live.unread.popleft()
         for packed in list(outputs):
-            out = RoundOutput.unpack(packed, gamma)
+            out = RoundOutput.unpack(packed, gamma, self.tree_nodes)
             if speculative:
                 self.policy.observe(gamma, out)
             accepted, done = out.accepted.tolist(), out.done.tolist()
             drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if self.trace and speculative else ((), ())
+            traces = list(zip(drafts, choices))
+            if traces and out.tree is not None:  # a tree's nodes, choices, parents, path
+                traces = list(zip(out.tree[0].tolist(), choices, out.tree[1].tolist(), out.tree[2].tolist()))
             for row, r in enumerate(owners.tolist()):
                 live = self.requests.get(r)
                 if live is None or live.slot < 0 or self.owner[live.slot] != r:
@@ -523,7 +533,7 @@ class LiveScheduler:
                 new = out.tokens[row]
                 events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
                                             gamma if speculative and new else 0, gamma if speculative else None,
-                                            (drafts[row], choices[row]) if drafts else None, synced))
+                                            traces[row] if traces else None, synced))
         return events
 
     def _emitted(self, live: _Live, request_id: int, new: list[int], done: bool, accepted: int, drafted: int, gamma,

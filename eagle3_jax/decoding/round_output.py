@@ -13,6 +13,11 @@ Columns of a row, in order (gamma: the drafts per round):
                        first draft, and over how many. EAGLE-3 gives it in the last round of a call that brought
                        the drafter up to date (spec_round._catch_up, over the pairs it caught up on), prompt
                        lookup in every gamma-0 round; 0, 0 otherwise.
+and, after them, a draft tree's round (decoding/tree.py; gamma is then the tree's depth, and choices, drafts and
+accepted are those of its accepted path):
+  tree_tokens   N      the tree's nodes 1 .. N, as target ids (node 0, the root, is the newest token x_n)
+  tree_parents  N      each node's parent node (0: the root)
+  path          gamma  the accepted path's nodes at depths 1 .. gamma (valid up to accepted; 0 past it)
 """
 
 from __future__ import annotations
@@ -26,20 +31,25 @@ import numpy as np
 _COLUMNS = ("choices", "drafts", "emitted", "accepted", "done", "shadow")
 
 
-def _widths(gamma: int) -> dict[str, int]:
-    return dict(zip(_COLUMNS, (gamma + 1, gamma, 1, 1, 1, 2)))
+_TREE_COLUMNS = ("tree_tokens", "tree_parents", "path")
 
 
-def width(gamma: int) -> int:
-    """The packed row's width: 2 gamma + 6."""
-    return sum(_widths(gamma).values())
+def _widths(gamma: int, tree_nodes: int = 0) -> dict[str, int]:
+    tree = dict(zip(_TREE_COLUMNS, (tree_nodes, tree_nodes, gamma))) if tree_nodes else {}
+    return dict(zip(_COLUMNS, (gamma + 1, gamma, 1, 1, 1, 2))) | tree
 
 
-def pack(choices, drafts, emitted, accepted, done, shadow=None) -> jax.Array:
-    """The columns (choices [B, gamma + 1], drafts [B, gamma], shadow [B, 2] (None: zeros), the rest [B]) as one
-    int32 array [B, width(gamma)]."""
+def width(gamma: int, tree_nodes: int = 0) -> int:
+    """The packed row's width: 2 gamma + 6, and a tree of N nodes' 2 N + gamma more."""
+    return sum(_widths(gamma, tree_nodes).values())
+
+
+def pack(choices, drafts, emitted, accepted, done, shadow=None, tree=None) -> jax.Array:
+    """The columns (choices [B, gamma + 1], drafts [B, gamma], shadow [B, 2] (None: zeros), the rest [B]; tree: None,
+    or a tree round's (tree_tokens [B, N], tree_parents [B, N], path [B, gamma])) as one int32 array
+    [B, width(gamma, N)]."""
     shadow = jnp.zeros(emitted.shape + (2,), jnp.int32) if shadow is None else shadow
-    columns = (choices, drafts, emitted, accepted, done, shadow)
+    columns = (choices, drafts, emitted, accepted, done, shadow) + tuple(tree or ())
     return jnp.concatenate([c.reshape(c.shape[0], -1).astype(jnp.int32) for c in columns], axis=1)
 
 
@@ -54,18 +64,21 @@ class RoundOutput:
     done: np.ndarray  # [B] bool
     emitted: np.ndarray  # [B] tokens emitted
     shadow: np.ndarray  # [B, 2] (pairs whose would-be first draft matched, pairs) a catch-up reported
+    tree: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # a tree round's (tree_tokens, tree_parents, path)
 
     @classmethod
-    def unpack(cls, packed: np.ndarray, gamma: int) -> RoundOutput:
-        """packed [B, width(gamma)], as `pack` wrote it."""
-        if packed.shape[-1] != width(gamma):
-            raise ValueError(f"a round of gamma {gamma} packs {width(gamma)} columns, got {packed.shape[-1]}")
+    def unpack(cls, packed: np.ndarray, gamma: int, tree_nodes: int = 0) -> RoundOutput:
+        """packed [B, width(gamma, tree_nodes)], as `pack` wrote it (tree_nodes: a tree round's N, else 0)."""
+        if packed.shape[-1] != width(gamma, tree_nodes):
+            raise ValueError(f"a round of gamma {gamma} and {tree_nodes} tree nodes packs {width(gamma, tree_nodes)} "
+                             f"columns, got {packed.shape[-1]}")
         at, columns = 0, {}
-        for name, w in _widths(gamma).items():
+        for name, w in _widths(gamma, tree_nodes).items():
             columns[name] = packed[:, at : at + w]
             at += w
         emitted, accepted, done = (columns[k][:, 0] for k in ("emitted", "accepted", "done"))
         # Whole-array tolist, then list slices: per-row numpy work costs seconds at thousands of rows.
         tokens = [row[:n] for row, n in zip(columns["choices"].tolist(), emitted.tolist())]
+        tree = tuple(columns[name] for name in _TREE_COLUMNS) if tree_nodes else None
         return cls(tokens, columns["choices"], columns["drafts"], accepted, done.astype(bool), emitted,
-                   columns["shadow"])
+                   columns["shadow"], tree)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.prompt_lookup import PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
@@ -106,6 +107,9 @@ class StepSpec:
     flush: bool = True
     # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
     tp: Shards | None = None
+    # A draft tree (decoding/tree.py; EAGLE-3 only) instead of a chain: each round drafts its nodes and accepts one
+    # root path, gamma being its depth. None: the chain of gamma drafts.
+    tree: tree_lib.TreeShape | None = None
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -264,10 +268,11 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
                                                              getattr(state, name), value)
                                           for name, value in joined.items()})
-    unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width: one unpacking
+    unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width (a tree's columns too): one unpacking
     zeros = jnp.zeros((P,), jnp.int32)
+    no_tree = None if spec.tree is None else (jnp.zeros((P, spec.tree.nodes), jnp.int32),) * 2 + (unused,)
     packed = round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused,
-                               jnp.where(final, num_emit, 0), zeros, final & done)
+                               jnp.where(final, num_emit, 0), zeros, final & done, tree=no_tree)
     return state, packed
 
 
@@ -298,6 +303,71 @@ def _verify(state: DecodeState, logits, drafts, draft_q, q_ids, keys, room, spec
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 
 
+def _target_step(tparams, state: DecodeState, layout: Layout, tokens, chunk: Chunk | None, spec: StepSpec):
+    """The round's target forward over the rows' tokens [B, T] at `layout`, a chunk's tokens riding in it: (logits
+    [B, T, V], the target's pages, features [B, T, C] or None, the chunk's (logits at its segments' last tokens,
+    features [C, F] or None), or None without a chunk)."""
+    B, T = tokens.shape
+    flat = tokens
+    if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
+        layout, flat = layout.then(chunk.layout), jnp.concatenate([tokens.reshape(-1), chunk.tokens])[None]
+    hidden, target_pages, features = target_lib.forward(
+        tparams, spec.target, flat, state.target_pages, layout, spec.capture_layers, spec.step_kernels, spec.tp
+    )
+    if chunk is None:
+        return target_lib.logits(tparams, hidden, spec.step_kernels), target_pages, features, None
+    # One lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read.
+    last = hidden[0, B * T + chunk.last]
+    both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
+    chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
+    features = None if features is None else features[0, : B * T].reshape(B, T, -1)
+    return both[: B * T].reshape(B, T, -1), target_pages, features, chunk_out
+
+
+def _tree_round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
+    """`_round` with a draft tree (spec.tree, decoding/tree.py): the drafter's tree, its root and nodes verified in
+    one target forward under the tree's mask, one root path accepted (greedily, or by the multi-draft rule for
+    sampled rows), its target KV copied into position order and the drafter rebuilt along it. The features it
+    returns are the path's [B, depth + 1, C]."""
+    n, shape, vocab = state.lengths, spec.tree, _vocab(spec)
+    B, D = n.shape[0], shape.depth
+    room = spec.max_len - n - 2  # as a chain's: the committed sequence may reach max_len
+    live = ~state.done
+    with jax.named_scope("draft"):
+        tree, carry = spec.proposer.propose_tree(dparams, tparams, state, spec)
+    with jax.named_scope("verify"):
+        tokens = jnp.concatenate([state.last_token[:, None], tree.tokens], axis=1)
+        logits, target_pages, features, chunk_out = _target_step(tparams, state, tree.layout(state.page_table, n, live),
+                                                                 tokens, chunk, spec)
+        ok = tree_lib.usable(tree, room, spec.max_len - n)
+        path, accepted, choices = tree_lib.greedy_path(tree, vocab.argmax(logits), ok, D)
+        if spec.sampling:
+            s = state.sampling
+            keys = sampling_lib.row_keys(s.seed, n + 1)  # as a chain round's: the first token it emits
+            drawn = tree_lib.sampled_path(tree, logits, s, keys, ok, D, vocab, filter=spec.filter)
+            path, accepted, choices = (jnp.where(s.greedy.reshape((B,) + (1,) * (x.ndim - 1)), x, y)
+                                       for x, y in zip((path, accepted, choices), drawn))
+    new_length = jnp.where(live, n + accepted + 1, n)
+    num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
+    new_state = dataclasses.replace(
+        state,
+        target_pages=tree_lib.commit(target_pages, state.page_table, n, path, accepted, live),
+        lengths=new_length,
+        last_token=jnp.where(live, choices[jnp.arange(B), accepted], state.last_token),
+        num_generated=state.num_generated + num_emit,
+        done=done,
+    )
+    features = None if features is None else jnp.take_along_axis(features, path[:, :, None], axis=1)
+    with jax.named_scope("rebuild"):
+        new_state = spec.proposer.update(dparams, tparams, state, new_state, carry, choices, accepted, features, spec)
+    depth = jnp.arange(1, D + 1)[None, :]
+    drafts = jnp.where(depth <= accepted[:, None], jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:] - 1, 0), 1),
+                       -1)
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done,
+                               tree=(tree.tokens, tree.parents[:, 1:], path[:, 1:]))
+    return new_state, packed, features, chunk_out
+
+
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     """Propose up to gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
     for sampled rows), commit by index, tell the proposer. With gamma 0 and a proposer that reads features, the
@@ -310,6 +380,8 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
 def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
     """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None) and,
     with a chunk riding in its target forward, the chunk's (hidden [C, D], features [C, F] or None) (else None)."""
+    if spec.tree is not None:
+        return _tree_round(tparams, dparams, state, spec, chunk)
     n = state.lengths
     B, G, proposer = n.shape[0], spec.gamma, spec.proposer
     draft_q = q_ids = carry = None
@@ -331,22 +403,8 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         drafts = jnp.zeros((B, 0), jnp.int32)
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
-        T = verify_tokens.shape[1]
-        layout, tokens = Layout.uniform(state.page_table, n, T, ~state.done), verify_tokens
-        if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
-            layout, tokens = layout.then(chunk.layout), jnp.concatenate([verify_tokens.reshape(-1), chunk.tokens])[None]
-        hidden, target_pages, features = target_lib.forward(
-            tparams, spec.target, tokens, state.target_pages, layout, spec.capture_layers, spec.step_kernels, spec.tp
-        )
-        chunk_out = None
-        if chunk is None:
-            logits = target_lib.logits(tparams, hidden, spec.step_kernels)
-        else:  # one lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read
-            last = hidden[0, B * T + chunk.last]
-            both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
-            chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
-            logits = both[: B * T].reshape(B, T, -1)
-            features = None if features is None else features[0, : B * T].reshape(B, T, -1)
+        layout = Layout.uniform(state.page_table, n, verify_tokens.shape[1], ~state.done)
+        logits, target_pages, features, chunk_out = _target_step(tparams, state, layout, verify_tokens, chunk, spec)
         choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
