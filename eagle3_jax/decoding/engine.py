@@ -212,9 +212,9 @@ class Engine:
         self.prefix_caching = prefix_caching
         kernels = kernels_lib.check(kernels or kernels_lib.default())
         engine_args.check_proposal(proposal)
+        tree = engine_args.check_tree(hasattr(proposer, "propose_tree"), num_draft_tokens, draft_depth, draft_top_k,
+                                      auto=self.auto, proposal=proposal, exact=exact, on_mesh=mesh is not None)
         engine_args.check_exact(cfg, exact)
-        tree = engine_args.check_tree(proposer, num_draft_tokens, draft_depth, draft_top_k, auto=self.auto,
-                                      proposal=proposal, exact=exact, on_mesh=mesh is not None)
         if tree is not None and tree.top_k > proposer.config.draft_vocab_size:
             raise ValueError(f"draft_top_k={tree.top_k} is more than the drafter's {proposer.config.draft_vocab_size} "
                              f"draft tokens")

@@ -66,11 +66,13 @@ def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens, on_mesh: 
     return (int(num_draft_tokens) if is_int(num_draft_tokens) else num_draft_tokens), False
 
 
-def check_tree(proposer, num_draft_tokens, draft_depth, draft_top_k, *, auto: bool, proposal: str = "argmax",
-               exact: bool = False, on_mesh: bool = False, names: Names = ENGINE) -> tree_lib.TreeShape | None:
+def check_tree(drafts_trees: bool, num_draft_tokens, draft_depth, draft_top_k, *, auto: bool,
+               proposal: str = "argmax", exact: bool = False, on_mesh: bool = False,
+               names: Names = ENGINE) -> tree_lib.TreeShape | None:
     """The draft tree of (num_draft_tokens, draft_depth, draft_top_k), num_draft_tokens already checked (an int >= 1,
     or "auto"): None for a chain (draft_top_k 1, draft_depth None or num_draft_tokens), else its shape
-    (decoding/tree.py). A tree needs an EAGLE-3 drafter (a proposer with `propose_tree`) and is refused with "auto"
+    (decoding/tree.py). A tree needs an EAGLE-3 drafter (drafts_trees: the proposer has `propose_tree`) and is
+    refused with "auto"
     (its policy models a chain's acceptance, one draft a position, which says nothing of a tree's paths),
     proposal="sample" (a tree's drafts are the drafter's top-k, not drawn), exact=True (its attention kernel has no
     tree mask) and a mesh (its tree steps are one device's, untested sharded)."""
@@ -86,7 +88,7 @@ def check_tree(proposer, num_draft_tokens, draft_depth, draft_top_k, *, auto: bo
                              f"{names.num_draft_tokens}={num_draft_tokens!r}")
         return None
     tree = f"{k}={draft_top_k} drafts a tree"
-    if getattr(proposer, "propose_tree", None) is None:
+    if not drafts_trees:
         raise ValueError(f"{tree} from the top-k tokens of an EAGLE-3 drafter: give one (load_drafter)")
     if auto:
         raise ValueError(f"{tree}: {names.auto} chooses a chain's gamma (its acceptance model is one draft a "

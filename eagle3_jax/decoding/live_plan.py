@@ -114,7 +114,8 @@ class Event:
     request: int
     tokens: list[int]
     accepted: int  # drafts committed (0 for a first token and plain rounds)
-    drafted: int  # drafts the round proposed for this row (its gamma; 0 for a first token and plain rounds)
+    # drafts the round proposed for this row (its gamma, a tree's nodes; 0 for a first token and plain rounds)
+    drafted: int
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     gamma: int | None = None  # a speculative round's drafts per round (0 included); None for a first token, spec off
@@ -532,7 +533,8 @@ class LiveScheduler:
                     continue
                 new = out.tokens[row]
                 events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
-                                            gamma if speculative and new else 0, gamma if speculative else None,
+                                            (self.tree_nodes or gamma) if speculative and new else 0,
+                                            gamma if speculative else None,
                                             traces[row] if traces else None, synced))
         return events
 

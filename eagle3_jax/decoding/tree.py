@@ -171,8 +171,10 @@ def final_token(tree: Tree, p: sampling_lib.Filtered, keys, ok, end, vocab: Voca
     probs = p.rows(jnp.arange(B) * size + end).probs()  # [B, V] (this device's slice under a sharded vocab)
     V = probs.shape[-1]
     children = (tree.parents[:, 1:] == end[:, None]) & ok[:, 1:]
-    local = vocab.local_index(tree.tokens, V)
-    left = probs.at[jnp.arange(B)[:, None], jnp.where(children, local, V)].set(0.0, mode="drop")
+    # The rejected children as the chain's q (sampling.residual): one-hot at each, so the residual is p without them.
+    rejected = jnp.zeros_like(probs).at[jnp.arange(B)[:, None], jnp.where(children, vocab.local_index(tree.tokens, V),
+                                                                          V)].set(1.0, mode="drop")
+    left = sampling_lib.residual(probs, rejected)
     left = jnp.where(vocab.sum(left, keepdims=True) > 0, left, probs)
     return sampling_lib.draw(keys, left, vocab)
 
