@@ -56,6 +56,16 @@ def test_round_output_unpacks_what_pack_wrote():
     assert RoundOutput.unpack(np.asarray(pack(one[:, None], no_drafts, one, one, one)), 0).shadow.tolist() == [[0, 0]]
     with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns, got 10"):
         RoundOutput.unpack(np.asarray(packed), 3)
+    # A draft tree's round (gamma its depth): its nodes' tokens and parents, then its path, after the chain's columns.
+    tree = (jnp.array([[11, 12, 13], [14, 15, 16]]), jnp.array([[0, 0, 1], [0, 1, 1]]), jnp.array([[1, 3], [2, 0]]))
+    packed = pack(jnp.array([[7, 8, 9], [4, 5, 6]]), jnp.array([[7, 1], [2, 3]]), jnp.array([2, 0]),
+                  jnp.array([1, 0]), jnp.array([False, True]), None, tree)
+    assert packed.shape == (2, width(gamma, 3)) == (2, 2 * gamma + 6 + 2 * 3 + gamma)
+    out = RoundOutput.unpack(np.asarray(packed), gamma, 3)
+    assert out.tokens == [[7, 8], []] and [x.tolist() for x in out.tree] == [x.tolist() for x in tree]
+    assert RoundOutput.unpack(np.asarray(packed[:, :10]), gamma).tree is None
+    with pytest.raises(ValueError, match="a round of gamma 2 and a tree of 4 nodes packs 20 columns, got 18"):
+        RoundOutput.unpack(np.asarray(packed), gamma, 4)
 
 
 def engine_parts(max_positions: int = 1024):

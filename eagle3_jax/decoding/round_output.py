@@ -70,8 +70,9 @@ class RoundOutput:
     def unpack(cls, packed: np.ndarray, gamma: int, tree_nodes: int = 0) -> RoundOutput:
         """packed [B, width(gamma, tree_nodes)], as `pack` wrote it (tree_nodes: a tree round's N, else 0)."""
         if packed.shape[-1] != width(gamma, tree_nodes):
-            raise ValueError(f"a round of gamma {gamma} and {tree_nodes} tree nodes packs {width(gamma, tree_nodes)} "
-                             f"columns, got {packed.shape[-1]}")
+            tree = f" and a tree of {tree_nodes} nodes" if tree_nodes else ""
+            raise ValueError(f"a round of gamma {gamma}{tree} packs {width(gamma, tree_nodes)} columns, got "
+                             f"{packed.shape[-1]}")
         at, columns = 0, {}
         for name, w in _widths(gamma, tree_nodes).items():
             columns[name] = packed[:, at : at + w]
