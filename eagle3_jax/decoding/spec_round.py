@@ -111,6 +111,10 @@ class StepSpec:
     # root path, gamma being its depth. None: the chain of gamma drafts.
     tree: tree_lib.TreeShape | None = None
 
+    def __post_init__(self):
+        if self.tree is not None and self.gamma != self.tree.depth:
+            raise ValueError(f"a draft tree's rounds run gamma = its depth {self.tree.depth}, got gamma {self.gamma}")
+
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return self.proposer.capture_layers if self.proposer else ()
