@@ -176,7 +176,9 @@ def draft_tree(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_t
     region = max((depth - 1) * K, 1)
 
     def top(h):  # [..., D] -> (log-probabilities [..., K], draft vocabulary ids [..., K])
-        return jax.lax.top_k(jax.nn.log_softmax(draft_logits(params, cfg, h), axis=-1), K)
+        logits = draft_logits(params, cfg, h)
+        best, ids = jax.lax.top_k(logits, K)  # the log-softmax's top K, without a pass writing all of it
+        return best - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids
 
     score, ids = top(hidden)
     first = (score, to_target_id(params, ids), jnp.repeat(carried(params, cfg, hidden)[:, None], K, axis=1),
