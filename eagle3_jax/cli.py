@@ -14,11 +14,13 @@ from pathlib import Path
 from eagle3_jax.checkpoints.generation import GREEDY, generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding import engine_args
-from eagle3_jax.decoding.engine import DEFAULT_EXACT, ROUNDS_PER_CALL
+from eagle3_jax.decoding.engine import CPU_PREFILL_CHUNK, DEFAULT_EXACT, PREFILL_CHUNK, ROUNDS_PER_CALL
 from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN, DEFAULT_PROPOSAL, PROPOSALS
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 MAX_LEN_HELP = f"a sequence's capacity, prompt + output (default: min({DEFAULT_MAX_LEN}, the model's limit))"
+PREFILL_CHUNK_HELP = (f"the most prompt tokens one target forward (each round of a call) carries (default: "
+                      f"{PREFILL_CHUNK} on a GPU, {CPU_PREFILL_CHUNK} on the CPU)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -165,7 +167,8 @@ def _generate(args) -> int:
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
                                exact=args.exact, max_draft_tokens=args.max_draft_tokens, mesh=mesh,
-                               draft_depth=args.draft_depth, draft_top_k=args.draft_top_k)
+                               prefill_chunk=args.prefill_chunk, draft_depth=args.draft_depth,
+                               draft_top_k=args.draft_top_k)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
@@ -307,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tensor parallel over this many devices (docs/tensor-parallel.md; default: one device)")
     gen.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                      help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
+    gen.add_argument("--prefill-chunk", type=int, help=PREFILL_CHUNK_HELP)
     gen.add_argument("--compile-cache", default=_default_cache_dir(), metavar="DIR",
                      help="JAX's persistent compilation cache: a second run of the same command compiles nothing "
                           "(default: $EAGLE3_JAX_COMPILE_CACHE, else %(default)s)")
@@ -321,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(srv)
     srv.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     srv.add_argument("--max-batch", type=int, help="slots of the pool (default: 256 on a GPU, 8 on the CPU)")
+    srv.add_argument("--prefill-chunk", type=int, help=PREFILL_CHUNK_HELP)
+    srv.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
+                     help="decoding rounds per device call, returned in one transfer (see eagle3_jax.Engine)")
     srv.add_argument("--kv-tokens", type=int,
                      help="tokens of paged KV every running request shares (default: 80%% of the GPU's memory after "
                           "the weights; on the CPU max-batch x max-len)")

@@ -12,10 +12,10 @@ shapes, against the projection batch x tau / round time, the round timed in the 
   rounds before another and the projection's full batch is what runs; --rows independent: each row its own
   (a fixed batch then waits on its slowest row: 5-15% of the rounds at batch 8 and 32 in simulation).
 * per (batch, gamma): one Engine per world, max_batch = batch, every world's engine sharing one compilation,
-  made by an untimed generate of the same prompts (two tokens each: exactly the prefill and call of rounds the
-  timed run uses; Engine.compile would compile every admission shape a pool can run, four prefills at 32
-  slots). Then, timed: the prefill alone (the median of three one-token generates) and, per world, the whole
-  generate of batch prompts of --prompt-len universe tokens, --new-tokens each, no stop ids.
+  made by an untimed generate of the same prompts and tokens (exactly the calls the timed run makes: greedy
+  decoding schedules them alike; Engine.compile would compile every row bucket's). Then, timed: the prefill (the
+  median of three one-token generates: the prompts' call, their rows done when they join) and, per world, the
+  whole generate of batch prompts of --prompt-len universe tokens, --new-tokens each, no stop ids.
 * projection: the engine's own call of rounds (the executable the generate ran) timed on a random state at
   the run's mean KV length, per round: projected tokens/s = batch x tau / round time, tau measured.
 * per row: tokens/s (the whole generate) and decode tokens/s (prefill's time and token taken out), each over
@@ -143,7 +143,7 @@ def measure(run: Run, w: Worlds, plan: Plan, batch: int, gamma: int) -> None:
     taus = plan.taus if gamma else (plan.taus[0],)
     first = engine(w, plan, batch, gamma, taus[0])
     start = time.perf_counter()
-    first.generate(prompts, 2, progress=False)  # compiles this (batch, gamma)'s prefill and call of rounds
+    first.generate(prompts, plan.new_tokens, progress=False)  # compiles every call the timed run makes
     compile_s = time.perf_counter() - start
     prefill_s = float(np.median([timed_generate(first, prompts, 1)[1] for _ in range(3)]))
     round_s, round_compiles = round_seconds(first, plan, batch)
@@ -205,7 +205,8 @@ def _maybe(value: float | None, width: int, digits: int) -> str:
 def measure_auto(run: Run, w: Worlds, plan: Plan, batch: int) -> None:
     """Engine(num_draft_tokens="auto", max_draft_tokens=G) on every world at this batch, beside the best fixed
     gamma measured before it: tokens/s, tau, and the gammas its rounds ran. Compiled and its round costs
-    measured (or loaded) by an untimed two-token generate and Engine.round_costs at this batch."""
+    measured (or loaded) by an untimed generate of the same prompts and tokens and Engine.round_costs at this
+    batch."""
     prompts, G = w.world.prompts(batch, plan.prompt_len, seed=batch), max(plan.gammas)
     fixed = [r for r in run.results.get("planted", []) if r["batch"] == batch]
     for tau in plan.taus:
@@ -213,7 +214,7 @@ def measure_auto(run: Run, w: Worlds, plan: Plan, batch: int) -> None:
         eng = eagle3_jax.Engine(w.target, drafter, num_draft_tokens="auto", max_draft_tokens=G, max_len=plan.max_len,
                                 max_batch=batch, rounds_per_call=plan.rounds_per_call, kv_tokens=batch * plan.max_len)
         start = time.perf_counter()
-        eng.generate(prompts, 2, progress=False)
+        eng.generate(prompts, plan.new_tokens, progress=False)
         eng.round_costs(batch, 0.0)
         warm_s = time.perf_counter() - start
         results, seconds, compiles, calls = timed_generate(eng, prompts, plan.new_tokens)

@@ -20,7 +20,9 @@ with prefix caching on and off.
 * floor (preset models): the workload's FLOPs (every token through every matmul, the lm_head for generated tokens,
   causal attention) at the matmul rate measured in the same run, and its bytes (every weight once per decode
   step, at least max_new_tokens steps and the generated tokens over the pool; each generated token's context
-  KV) at the measured copy rate; the floor is the larger. Each pool row reports its wall time over it.
+  KV) at the measured copy rate; a pool's floor is the larger. Each pool row reports its wall time over it
+  (x_floor) and over the compute floor alone (x_compute_floor): the workload's floor, the lowest any pool size
+  can reach (a small pool's extra weight reads are its own cost, not the workload's).
 * per run: tokens/s (generated tokens over the wall time, prefill included), time to first token p50/p99 (from
   the request's start), inter-token latency p50/p99 (the gaps between one prompt's chunks: a call's rounds
   arrive together), peak memory (the device's peak bytes in use where it reports them, else the process's peak
@@ -30,7 +32,9 @@ with prefix caching on and off.
 * steady state: the engine's own call of rounds on a full batch of rows at the workload's mean KV length, on its
   own pages (Engine.time_call: no second KV beside the engine's), tokens/s = batch x tokens per round (tau, from
   the first pool's prompts) over its time per round: what a pool could reach if prefill and partly empty batches
-  cost nothing; ITL p99 is compared with a call of it (a call's rounds arrive together).
+  cost nothing; ITL p99 is compared with a call of it (a call's rounds arrive together). Also the same call with a
+  chunk of prefill_chunk prompt tokens in every round (mixed_call_ms; its chunks hold no sequence, and the
+  forward's width is the same whatever they hold).
 * sweep: the first pool size and gamma at each --sweep prefill_chunk over the first --sweep-prompts prompts (and
   the engine's default over the same prompts, for the ratio).
 * shared prefix: --prefix-prompts prompts, each the same --shared-prefix tokens and then its own 64-512 tokens,
@@ -209,8 +213,9 @@ def timed_run(run: Run, engine, name: str, groups, label: dict, floor: dict | No
     row.update(run=name, **label, prompts=len(prompts), compilations=compiles.count,
                preemptions=engine.preemptions - preempted, prefill_chunk=engine.prefill_chunk,
                cached_tokens=engine.cached_tokens - cached, prompt_tokens=sum(len(p) for p in prompts))
-    if floor is not None:
-        row.update(floor_s=floor["floor_s"], x_floor=row["seconds"] / floor["floor_s"])
+    if floor is not None:  # the pool's floor (max of compute and bytes at its size), and the workload's: compute
+        row.update(floor_s=floor["floor_s"], x_floor=row["seconds"] / floor["floor_s"],
+                   compute_floor_s=floor["compute_s"], x_compute_floor=row["seconds"] / floor["compute_s"])
     return run.add("pool", row)
 
 
@@ -232,9 +237,11 @@ def measure(run: Run, b: Bench, pool: int, gamma, runs=RUNS) -> None:
     tau = tau_of(engine, b.prompts[:pool], b.budgets[:pool]) if gamma else 1.0
     length = int(np.mean([len(p) for p in b.prompts]) + np.mean(b.budgets) / 2)
     call_s = min(engine.time_call(pool, length, gamma) for _ in range(3))
+    mixed_s = min(engine.time_call(pool, length, gamma, mixed=True) for _ in range(3))
     run.add("steady", {**label, "kv_len": length, "tau": tau, "call_ms": call_s * 1e3,
                        "round_ms": call_s / engine.rounds_per_call * 1e3,
-                       "tokens_per_s": pool * tau * engine.rounds_per_call / call_s})
+                       "tokens_per_s": pool * tau * engine.rounds_per_call / call_s,
+                       "mixed_call_ms": mixed_s * 1e3, "mixed_over_call": mixed_s / call_s})
 
 
 def sweep(run: Run, b: Bench, pool: int, gamma, chunks: list[int], count: int) -> None:

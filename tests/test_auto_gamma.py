@@ -10,7 +10,7 @@ import pytest
 
 import eagle3_jax
 from eagle3_jax.decoding import gamma_policy as policy
-from eagle3_jax.decoding import round_costs
+from eagle3_jax.decoding import round_costs, spec_round
 from eagle3_jax_bench.profile import count_compilations
 
 import spec_worlds as worlds
@@ -81,34 +81,38 @@ def test_the_shadow_leaves_gamma_0_when_the_drafter_turns_good():
 
 
 def test_gamma_0_holds_its_pairs_and_flushes_every_few_calls_and_before_drafting():
-    costs = {"now": [1.0, 2.0]}
-    auto = policy.Auto(1, lambda length: costs["now"])
+    """Plain gamma-0 calls hold their pairs, flushing every FLUSH_CALLS; one that carries prompt tokens always
+    flushes (its chunks read the drafter anyway); the held pairs go to the drafter before a call drafts; costs are
+    asked at the call's rows and whether it carries prompt tokens."""
+    costs, asked = {"now": [1.0, 2.0]}, []
+    auto = policy.Auto(1, lambda length, rows, mixed: asked.append((rows, mixed)) or costs["now"])
     auto.stats = observed(1, [rounds_of(1, [0], [1])] * 10)  # a drafter never right: gamma 0
     calls = []
     for _ in range(2 * policy.FLUSH_CALLS + 1):
-        calls.append(auto.choose(0.0))
+        calls.append(auto.choose(0.0, 4, False))
         auto.dispatched(calls[-1])
     assert [c.flush for c in calls] == ([False] * (policy.FLUSH_CALLS - 1) + [True]) * 2 + [False]
-    assert {c.gamma for c in calls} == {0}
+    assert {c.gamma for c in calls} == {0} and set(asked) == {(4, False)}
+    assert auto.choose(0.0, 2, True) == policy.Call(0, flush=True) and asked[-1] == (2, True)
     costs["now"] = [2.0, 1.0]  # drafting is now cheaper: first the held pairs go to the drafter
-    assert auto.choose(0.0) == policy.Call(0, flush=True)
+    assert auto.choose(0.0, 4, False) == policy.Call(0, flush=True)
     auto.dispatched(policy.Call(0, flush=True))
-    assert auto.choose(0.0) == policy.Call(1)
-    assert policy.Fixed(3).choose(0.0) == policy.Call(3)
+    assert auto.choose(0.0, 4, False) == policy.Call(1)
+    assert policy.Fixed(3).choose(0.0, 4, False) == policy.Call(3)
 
 
 # ----------------------------------------------------------------------------- the cost table
 
 
 class FakeDevice:
-    """time_call: seconds 1 + gamma + length / 100, times `scale`, counting its calls."""
+    """time_call: seconds (1 + gamma + length / 100) times the key's rows, times `scale`, counting its calls."""
 
     def __init__(self, scale=1.0):
         self.scale, self.calls = scale, 0
 
-    def __call__(self, batch, length, gamma):
+    def __call__(self, key, length, gamma):
         self.calls += 1
-        return self.scale * batch * (1 + gamma + length / 100)
+        return self.scale * int(key.split("+")[0]) * (1 + gamma + length / 100)
 
 
 def test_costs_are_measured_once_cached_reloaded_and_remeasured_when_stale(tmp_path):
@@ -116,24 +120,26 @@ def test_costs_are_measured_once_cached_reloaded_and_remeasured_when_stale(tmp_p
     assert lengths == [8, 64, 115] and round_costs.margin(4, 2) == 13  # a call of 4 rounds of 3 tokens, and 1
     device = FakeDevice()
     costs = round_costs.RoundCosts("k", tmp_path, lengths, 3)
-    assert costs.seconds(2, 36.0, device) == pytest.approx([2 * (1 + g + 0.36) for g in range(3)])
-    assert device.calls == 9 and costs.measured == [2]
-    costs.seconds(2, 50.0, device)
+    assert costs.seconds("2", 36.0, device) == pytest.approx([2 * (1 + g + 0.36) for g in range(3)])
+    assert device.calls == 9 and costs.measured == ["2"]
+    costs.seconds("2", 50.0, device)
     assert device.calls == 9  # in memory
+    costs.seconds("2+chunks", 50.0, device)
+    assert device.calls == 18 and costs.measured == ["2", "2+chunks"]  # each key its own table
     again = round_costs.RoundCosts("k", tmp_path, lengths, 3)
-    again.seconds(2, 10.0, device)
-    assert device.calls == 10 and again.measured == []  # loaded, one spot check
+    again.seconds("2", 10.0, device)
+    assert device.calls == 19 and again.measured == []  # loaded, one spot check
     slower = FakeDevice(scale=1.5)
     stale = round_costs.RoundCosts("k", tmp_path, lengths, 3)
-    assert stale.seconds(2, 8.0, slower)[0] == pytest.approx(1.5 * 2 * 1.08)
-    assert slower.calls == 10 and stale.measured == [2]  # the spot check failed: all 9 again
+    assert stale.seconds("2", 8.0, slower)[0] == pytest.approx(1.5 * 2 * 1.08)
+    assert slower.calls == 10 and stale.measured == ["2"]  # the spot check failed: all 9 again
     (tmp_path / "k.json").write_text("{not json")
     broken = round_costs.RoundCosts("k", tmp_path, lengths, 3)
-    broken.seconds(1, 8.0, device)
-    assert broken.measured == [1] and list(json.loads((tmp_path / "k.json").read_text())["seconds"]) == ["1"]
+    broken.seconds("1", 8.0, device)
+    assert broken.measured == ["1"] and list(json.loads((tmp_path / "k.json").read_text())["seconds"]) == ["1"]
     (tmp_path / "file").write_text("")
     unwritable = round_costs.RoundCosts("k", tmp_path / "file", lengths, 3)  # its folder is a file
-    assert unwritable.seconds(1, 8.0, device)[0] == pytest.approx(1.08) and unwritable.measured == [1]
+    assert unwritable.seconds("1", 8.0, device)[0] == pytest.approx(1.08) and unwritable.measured == ["1"]
 
 
 def test_the_cache_lives_beside_the_compilation_cache_and_its_key_sees_the_configuration(tmp_path):
@@ -162,8 +168,8 @@ def world(tmp_path_factory):
 
 
 def auto_engine(target, drafter, **kwargs):
-    return eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, max_len=128,
-                             rounds_per_call=2, max_batch=1, **kwargs)
+    return eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=1, rounds_per_call=2,
+                             max_batch=1, **{"max_len": 128, **kwargs})
 
 
 def fixed_costs(*seconds):
@@ -200,8 +206,7 @@ def test_auto_follows_a_drafter_good_on_part_of_the_text_and_stays_lossless(worl
             assert accepted == (previous in worlds.ARC), (previous, gamma, accepted)
     assert len(got.gammas) < len(got.token_ids) - 10  # fewer target steps than tokens
     # The second call waits for the first's rounds: chosen ahead, it would be the prior's choice again.
-    assert [kind for kind, _ in engine.device_events][:7] == ["allocate", "prefill", "call", "transfer", "transfer",
-                                                             "call", "call"]
+    assert [kind for kind, _ in engine.device_events][:5] == ["allocate", "call", "transfer", "call", "call"]
 
 
 def test_auto_through_a_pool_of_three_holds_and_flushes_rows_of_different_ages(world):
@@ -226,13 +231,18 @@ def test_auto_through_a_pool_of_three_holds_and_flushes_rows_of_different_ages(w
 
 
 def test_auto_on_a_random_target_is_lossless_compiles_every_gamma_once_and_never_again(world):
-    """Three prompts through one slot: the policy's evidence carries from one prompt to the next."""
+    """Three prompts through one slot: the policy's evidence carries from one prompt to the next. Engine.compile
+    compiles the one bucket's calls of rounds, each once: without prompt tokens gamma 0 (holding its pairs, and
+    flushing) and 1, with them gamma 0 (flushing) and 1; and the release of stopped rows: 6 programs (max_len 127:
+    a configuration of this test's own, so that each compiles here)."""
     target, drafter = world["t:random"], world["d:unrelated"]
     prompts = [[3, 17, 5, 40], [30, 2], [7, 7, 7, 21, 44, 1]]
     expected = eagle3_jax.Engine(target, max_len=128, max_batch=1).generate(prompts, 24)
-    engine = auto_engine(target, drafter, round_costs=fixed_costs(1.0, 1.05))
+    engine = auto_engine(target, drafter, round_costs=fixed_costs(1.0, 1.05), max_len=127)
     assert engine.gammas == (0, 1)
-    engine.compile()
+    with count_compilations(spec_round.spec_rounds.__name__) as rounds_compiled:
+        assert engine.compile() == 6
+    assert rounds_compiled.count == 5
     with count_compilations() as compiles:
         got = engine.generate(prompts, 24)
         shorter = engine.generate(prompts, 8)  # a second request, other budgets: nothing new to compile
@@ -252,7 +262,8 @@ def test_auto_measures_its_costs_on_first_use_and_reloads_them(world, tmp_path, 
     (first,) = engine.generate([[3, 17, 5, 40]], 6)
     (table,) = tmp_path.glob("*.json")
     stored = json.loads(table.read_text())
-    assert list(stored["seconds"]) == ["1"] and np.array(stored["seconds"]["1"]).shape == (3, 2)
+    # the one bucket's calls without prompt tokens and with them (the first call carries the prompt)
+    assert sorted(stored["seconds"]) == ["1", "1+chunks"] and np.array(stored["seconds"]["1"]).shape == (3, 2)
     again = auto_engine(target, drafter)
     assert again.generate([[3, 17, 5, 40]], 6)[0].token_ids == first.token_ids
     assert again._costs[False].measured == []  # loaded

@@ -122,41 +122,41 @@ def test_compiles_once_per_configuration_and_transfers_once_per_call(model_and_t
     _, tgt = model_and_target
     # max_len 112: a configuration no other test builds, so the first request must compile.
     with count_compilations() as first_compiles:
-        first = eagle3_jax.Engine(tgt, max_len=112).generate(PROMPTS, max_new_tokens=12)
-    assert first_compiles.count >= 2  # prefill and the call of rounds
+        first = eagle3_jax.Engine(tgt, max_len=112, prefill_sequences=3).generate(PROMPTS, max_new_tokens=12)
+    assert first_compiles.count >= 2  # the call of rounds with prompt tokens, and without
     with no_implicit_transfers(), count_compilations() as compiles:  # any implicit transfer raises
-        engine = eagle3_jax.Engine(tgt, max_len=112)  # a second Engine of the same configuration
+        engine = eagle3_jax.Engine(tgt, max_len=112, prefill_sequences=3)  # a second Engine of the same configuration
         again = engine.generate(PROMPTS, max_new_tokens=12)
-        other = engine.generate([[9] * 20, [1], [4, 40]], max_new_tokens=12)  # the same prompt-length bucket
+        other = engine.generate([[9] * 20, [1], [4, 40]], max_new_tokens=12)  # the same shapes
     assert compiles.count == 0 and again == first
-    # the prompts' chunk (its first tokens: a row per chunk segment), then one transfer per call of 4 rounds: 12
-    # tokens = the first + 11 rounds = 3 calls; the third call leaves at most 4 tokens per row, so no fourth call.
+    # one transfer per call of 4 rounds: the first call's first round carries the three prompts, whose rows join for
+    # its other three (each row's first token and 3 more: [4 rounds, 3 rows (a bucket of 4) + 3 segments, 6]); 8
+    # tokens left, two more calls.
     transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
-    assert transfers == [(engine.prefill_sequences, 6)] + [(4, 3, 6)] * 3  # a row: round_output.width(0) = 6
-    assert [kind for kind, _ in engine.device_events].count("call") == 3
+    assert transfers == [(4, 4 + 3, 6)] + [(4, 4, 6)] * 2  # a row: round_output.width(0) = 6
+    assert [shape for kind, shape in engine.device_events if kind == "call"] == [(4, 4, 20 + 1 + 2)] + [(4, 4, 0)] * 2
     assert [len(r.token_ids) for r in first + other] == [12] * 6
 
 
 def test_next_call_dispatched_early_only_when_needed(model_and_target):
     """While some row surely needs another call, it is dispatched before this call's tokens are fetched
     (the device never waits on the host); near the end it is dispatched only if the tokens say so. The
-    first call follows the prompts' chunk at once (its rows join the pool for it) when some row's budget needs a
-    round after its first token, before the chunk's first tokens are read."""
+    first call carries the prompts in its first round and runs their rows in its other three, and the second
+    follows it at once when some row's budget needs more than that call can emit."""
     _, tgt = model_and_target
-    engine = eagle3_jax.Engine(tgt, max_len=128)  # 4 rounds per call, 1 token per round
+    engine = eagle3_jax.Engine(tgt, max_len=128, prefill_sequences=3)  # 4 rounds per call, 1 token per round
     for max_new, expected in [
-        # 12 tokens: the first + 11 rounds; 11 left when call 1 goes: call 2 goes early; 7 left when call 1 is
+        # 12 tokens: the first + 11 rounds; 11 left when call 1 goes: call 2 goes early; 8 left when call 1 is
         # fetched, 4 in flight: call 3 goes early too.
-        (12, ["call", "call", "transfer", "transfer", "call", "transfer", "transfer"]),
-        # 6 tokens: the first + 5 rounds; 5 left when call 1 goes, which can emit 4: call 2 goes early, the last.
-        (6, ["call", "call", "transfer", "transfer", "transfer"]),
-        (2, ["call", "transfer", "transfer"]),
-        (1, ["transfer"]),  # the first token is all: no call
+        (12, ["call", "call", "transfer", "call", "transfer", "transfer"]),
+        # 6 tokens: 5 left when call 1 goes, which can emit 4: call 2 goes early, the last.
+        (6, ["call", "call", "transfer", "transfer"]),
+        (4, ["call", "transfer"]),  # the first token and the call's other three rounds are all
+        (1, ["call", "transfer"]),  # the first token is all: its rows are done when they join
     ]:
         results = engine.generate(PROMPTS, max_new_tokens=max_new)
         assert [len(r.token_ids) for r in results] == [max_new] * 3
-        assert [kind for kind, _ in engine.device_events] == ["allocate", "prefill"] + expected, \
-            (max_new, engine.device_events)
+        assert [kind for kind, _ in engine.device_events] == ["allocate"] + expected, (max_new, engine.device_events)
 
 
 def test_engine_refuses_bad_settings(model_and_target):

@@ -15,7 +15,7 @@ import pytest
 import eagle3_jax
 from eagle3_jax.decoding import gamma_policy
 from eagle3_jax.decoding.live import LivePool
-from eagle3_jax.decoding.live_plan import LiveScheduler, live_row, pool_size
+from eagle3_jax.decoding.live_plan import LiveScheduler, live_row, row_bucket, row_buckets
 from eagle3_jax.decoding.page_pool import PagePool
 
 import spec_worlds as worlds
@@ -168,8 +168,9 @@ def test_bad_requests_are_refused_before_they_queue(world):
         pool.submit(pool.check([1], 1), queue.Queue().put)
 
 
-def test_pool_size_is_a_power_of_four_up_to_max_batch():
-    assert [pool_size(n, 20) for n in (0, 1, 2, 4, 5, 16, 17, 20)] == [1, 1, 4, 4, 16, 16, 20, 20]
+def test_row_buckets_are_powers_of_two_up_to_the_capacity():
+    assert [row_bucket(n, 20) for n in (0, 1, 2, 3, 4, 5, 9, 16, 17, 20)] == [1, 1, 2, 4, 4, 8, 16, 16, 20, 20]
+    assert row_buckets(20) == [1, 2, 4, 8, 16, 20] and row_buckets(1) == [1] and row_buckets(8) == [1, 2, 4, 8]
 
 
 def packed(gamma, rows):
@@ -181,10 +182,24 @@ def packed(gamma, rows):
     return out
 
 
-def new_scheduler(max_batch: int, pages: int = 64, chunk: int = 64, **options) -> LiveScheduler:
+def call_output(step, rounds, first=None, gamma=1):
+    """A call's transfer as the device returns it ([R, rows + P, width]): `rounds` gives each round's rows (a list of
+    (tokens, accepted, done) per row, or None: nothing emitted, free rows done), `first` each round's chunk rows
+    (None: nothing)."""
+    R, width = step.owners.shape
+    P = step.chunk.owners.shape[1] if step.chunk is not None and not step.chunk.alone else 0
+    out = []
+    for j in range(R):
+        rows = (rounds[j] if rounds and rounds[j] is not None else [([], 0, int(o < 0)) for o in step.owners[j]])
+        chunk = (first[j] if first and first[j] is not None else [([], 0, 0)] * P)
+        out.append(np.concatenate([packed(gamma, rows), packed(gamma, chunk)]) if P else packed(gamma, rows))
+    return np.stack(out)
+
+
+def new_scheduler(capacity: int, pages: int = 64, chunk: int = 64, **options) -> LiveScheduler:
     """A scheduler of max_len 64, 2 rounds a call of gamma 1, chunks of `chunk` prompt tokens of up to 4 prompts,
     over `pages` pages of 8."""
-    return LiveScheduler(max_batch=max_batch, max_len=64, prefill_chunk=chunk, prefill_sequences=min(4, max_batch),
+    return LiveScheduler(capacity=capacity, max_len=64, prefill_chunk=chunk, prefill_sequences=min(4, capacity),
                          rounds_per_call=2, policy=gamma_policy.Fixed(1), speculative=True,
                          pages=PagePool(pages, 8, lambda: None), width=9, max_gamma=1, stop_width=4, **options)
 
@@ -193,79 +208,103 @@ def row(n, budget, stops=(9,)):
     return live_row(list(range(1, n + 1)), budget, list(stops), max_len=64, vocab_size=48, stop_width=4)
 
 
-def segments(chunk) -> list[tuple]:
-    """A chunk plan's segments: (tokens, start, slot, final, next token) each."""
-    return [(chunk.tokens[chunk.cu[p]:chunk.cu[p + 1]].tolist(), int(chunk.start[p]), int(chunk.slot[p]),
-             bool(chunk.final[p]), int(chunk.next_token[p])) for p in range(len(chunk.start))
-            if chunk.cu[p + 1] > chunk.cu[p]]
+def segments(chunk, j=0) -> list[tuple]:
+    """Round j's segments of a chunk plan: (tokens, start, slot, final, next token) each."""
+    cu = chunk.cu[j]
+    return [(chunk.tokens[j, cu[p]:cu[p + 1]].tolist(), int(chunk.start[j, p]), int(chunk.slot[j, p]),
+             bool(chunk.final[j, p]), int(chunk.next_token[j, p])) for p in range(chunk.start.shape[1])
+            if cu[p + 1] > cu[p]]
 
 
 def test_each_step_is_decided_as_data():
-    """Chunks, release, resize and the call of rounds, as the scheduler decides them, without a device."""
+    """The allocation, chunks, joins mid-call, release and the call of rounds over its row bucket, as the
+    scheduler decides them, without a device."""
     scheduler = new_scheduler(4)
     for i in range(3):
         scheduler.add(i, row(3, 20))
     step = scheduler.plan(rounds_in_flight=0)
-    assert step.size == 4 and step.resize.tolist() == [0] * 4  # a pool of 4 free slots, allocated
-    # no row runs yet: the three prompts packed into one chunk, a call of its own; each ends its prompt
-    assert step.rounds is None and step.chunk.alone and not step.sampling and step.release == ()
-    assert segments(step.chunk) == [([1, 2, 3], 0, s, True, -1) for s in range(3)]
-    assert step.chunk.owners.tolist() == [0, 1, 2, -1] and scheduler.running == 3
-    # their rows run from the next call, planned before the chunk's first tokens are read (one call of 4 slots)
-    step = scheduler.plan(rounds_in_flight=0, idle=False)
-    assert step.rounds == gamma_policy.Call(1) and step.chunk is None and step.owners.tolist() == [0, 1, 2, -1]
-    events = scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0)] * 3 + [([0], 0, 0)]), np.array([0, 1, 2, -1]))
-    assert [(e.request, e.tokens, e.gamma) for e in events] == [(0, [5], None), (1, [5], None), (2, [5], None)]
-    rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 9], 1, 1), ([6], 0, 0), ([], 0, 1)])])
-    events = scheduler.read("rounds", 1, step.owners, rounds)
-    assert [(e.request, e.tokens, e.accepted, e.drafted, e.finish_reason) for e in events] == [
+    assert step.allocate == 4 and step.release == () and not step.sampling  # the pool's 4 slots, allocated once
+    # no row runs yet: a call whose first round carries the three prompts packed, each ending its prompt; their
+    # rows join when that round ends and run the call's second round (a bucket of 4 rows: every slot)
+    assert step.rounds == gamma_policy.Call(1) and not step.chunk.alone and step.rows is None
+    assert segments(step.chunk) == [([1, 2, 3], 0, s, True, -1) for s in range(3)] and segments(step.chunk, 1) == []
+    assert step.chunk.owners[0].tolist() == [0, 1, 2, -1] and step.chunk.prompt_tokens == 9
+    assert step.owners.tolist() == [[-1] * 4, [0, 1, 2, -1]] and scheduler.running == 3
+    # the next call goes ahead of reading this one: every row surely needs it (19 tokens left, a call emits <= 4)
+    ahead = scheduler.plan(rounds_in_flight=1)
+    assert ahead.allocate == 0 and ahead.rounds == gamma_policy.Call(1) and ahead.chunk is None
+    assert ahead.owners.tolist() == [[0, 1, 2, -1]] * 2
+    # the first call's first tokens (its chunk's rows in round 0) come before the rounds their rows then ran
+    events = scheduler.read("rounds", 1, step.owners, call_output(
+        step, [None, [([6, 7], 1, 0), ([6, 9], 1, 1), ([6], 0, 0), ([], 0, 1)]], [[([5], 0, 0)] * 3 + [([], 0, 0)],
+                                                                                   None]), step.chunk.owners)
+    assert [(e.request, e.tokens, e.accepted, e.gamma, e.finish_reason) for e in events] == [
+        (0, [5], 0, None, None), (1, [5], 0, None, None), (2, [5], 0, None, None),
         (0, [6, 7], 1, 1, None), (1, [6, 9], 1, 1, "stop"), (2, [6], 0, 1, None)]
     assert scheduler.owner.tolist() == [0, -1, 2, -1] and scheduler.running == 2
-    # an abort frees its slot at once; the next step stops its row, and a newcomer takes the first free slot
+    # an abort frees its slot at once; the next step stops its row, and a newcomer takes the first free slot: its
+    # prompt rides in the call's first round and its row runs the second; the call computes the running row and
+    # the newcomer's (a bucket of 2)
     assert scheduler.abort(0).finish_reason == "abort" and scheduler.abort(0) is None
     scheduler.add(3, row(20, 5))
     step = scheduler.plan(rounds_in_flight=1)
-    # nothing waits and request 2 surely needs another call (18 tokens left, a call emits at most 4): it goes ahead,
-    # and the newcomer's prompt rides in it (a mixed step), its row joining the call after
-    assert step.release == (0,) and step.resize is None and step.rounds == gamma_policy.Call(1)
-    assert not step.chunk.alone and segments(step.chunk) == [(list(range(1, 21)), 0, 0, True, -1)]
-    assert step.owners.tolist() == [-1, -1, 2, -1]
-    # one request left in a pool of four, nothing in flight: the pool shrinks to one slot, its row first
+    assert step.release == (0,) and step.rounds == gamma_policy.Call(1) and not step.chunk.alone
+    assert segments(step.chunk) == [(list(range(1, 21)), 0, 0, True, -1)]
+    assert step.rows.tolist() == [2, 0] and step.owners.tolist() == [[2, -1], [2, 3]]
+    # one request left, nothing in flight: a call of one row
     scheduler.abort(3)
+    scheduler.requests[2].prefilled = True
     step = scheduler.plan(rounds_in_flight=0)
-    assert step.size == 1 and step.resize.tolist() == [2] and scheduler.owner.tolist() == [2]
-    assert step.release == (0,) and step.rounds == gamma_policy.Call(1)
-    # a call ahead only when a running row surely needs it after the one in flight (2 rounds of up to 2 tokens),
-    # and while requests wait, only when every running row does
-    assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 18 tokens left
+    assert step.release == (0,) and step.rows.tolist() == [2] and step.owners.tolist() == [[2], [2]]
+    # a call ahead only when a running row surely needs it after the one in flight (2 rounds of up to 2 tokens)
+    assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)  # 19 tokens left
     scheduler.requests[2].left = 4
     assert scheduler.plan(rounds_in_flight=1).rounds is None
 
 
-def test_a_prompt_longer_than_a_chunk_goes_on_in_the_next_ones_and_chunks_pack_prompts():
+def test_a_prompt_longer_than_a_chunk_goes_on_in_the_next_rounds_and_calls_and_chunks_pack_prompts():
     """Chunks of 8 tokens: a 20-token prompt takes three, each after the one before (the next prompt token is each
-    non-final segment's successor); a 3-token prompt packs into the third beside the last 4; rows join only after
-    their last chunk, so only then do they run rounds."""
+    non-final segment's successor), two in one call's rounds and the third in the next call's; a 3-token prompt
+    packs into that third chunk beside the last 4; rows join only after their last chunk, then run the call's
+    rounds after it."""
     scheduler = new_scheduler(4, chunk=8)
     scheduler.add(0, row(20, 10))
     first = scheduler.plan(rounds_in_flight=0)
-    assert segments(first.chunk) == [(list(range(1, 9)), 0, 0, False, 9)] and first.chunk.alone
+    assert segments(first.chunk) == [(list(range(1, 9)), 0, 0, False, 9)]
+    assert segments(first.chunk, 1) == [(list(range(9, 17)), 8, 0, False, 17)]
+    assert first.rows.tolist() == [0] and first.owners.tolist() == [[-1], [-1]]  # no row runs: a slot not running
     scheduler.add(1, row(3, 10))
     second = scheduler.plan(rounds_in_flight=0)
-    assert second.rounds is None and segments(second.chunk) == [(list(range(9, 17)), 8, 0, False, 17)]
-    third = scheduler.plan(rounds_in_flight=0)
-    assert segments(third.chunk) == [([17, 18, 19, 20], 16, 0, True, -1), ([1, 2, 3], 0, 1, True, -1)]
-    assert third.chunk.owners[:2].tolist() == [0, 1] and scheduler.requests[0].pages == [0, 1, 2]
-    assert scheduler.plan(rounds_in_flight=0, idle=False).owners.tolist() == [0, 1, -1, -1]
+    assert segments(second.chunk) == [([17, 18, 19, 20], 16, 0, True, -1), ([1, 2, 3], 0, 1, True, -1)]
+    assert second.chunk.owners[0, :2].tolist() == [0, 1] and segments(second.chunk, 1) == []
+    assert second.rows.tolist() == [0, 1] and second.owners.tolist() == [[-1, -1], [0, 1]]
+    # the joiners hold their prompt's pages and those of the one round they run in this call (2 positions)
+    assert scheduler.requests[0].pages == [0, 1, 2] and scheduler.requests[1].pages == [3]
 
 
-def test_while_requests_wait_a_call_goes_ahead_only_when_every_running_row_needs_it():
-    """A pool of max_batch 2, full, with a third request waiting and a call in flight: no call ahead while a row
+def test_rows_follow_the_running_rows_not_the_waiting_ones():
+    """Eight slots and twelve prompts of 10 tokens whose KV (with a call's 4 positions) fits two at a time (4 pages
+    of 8): each call computes a bucket of 2 rows, not 8, while ten prompts wait."""
+    scheduler = new_scheduler(8, pages=4)
+    for i in range(12):
+        scheduler.add(i, row(10, 30, ()))
+    step = scheduler.plan(rounds_in_flight=0)
+    assert segments(step.chunk) == [(list(range(1, 11)), 0, s, True, -1) for s in (0, 1)]
+    assert step.rows.tolist() == [0, 1] and len(scheduler.waiting) == 10
+    scheduler.read("rounds", 1, step.owners, call_output(step, None, [[([5], 0, 0)] * 2 + [([], 0, 0)] * 2, None]),
+                   step.chunk.owners)
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.chunk is None and step.rows.tolist() == [0, 1] and step.owners.tolist() == [[0, 1]] * 2
+
+
+def test_while_requests_wait_for_a_slot_a_call_goes_ahead_only_when_every_running_row_needs_it():
+    """A pool of 2 slots, full, with a third request waiting and a call in flight: no call ahead while a row
     could finish in that call (its slot would sit idle through one more call), one when neither can."""
-    scheduler = new_scheduler(2, shrink=False)
+    scheduler = new_scheduler(2)
     for i in range(3):
         scheduler.add(i, row(3, 20, ()))
-    assert scheduler.plan(rounds_in_flight=0).size == 2 and list(scheduler.waiting) == [2]
+    step = scheduler.plan(rounds_in_flight=0)
+    assert step.owners.shape == (2, 2) and list(scheduler.waiting) == [2]
     for r in (0, 1):
         scheduler.requests[r].prefilled = True
     scheduler.requests[0].left = 3  # may finish in the call in flight (2 rounds of up to 2 tokens)
@@ -274,82 +313,77 @@ def test_while_requests_wait_a_call_goes_ahead_only_when_every_running_row_needs
     assert scheduler.plan(rounds_in_flight=1).rounds == gamma_policy.Call(1)
 
 
-def test_a_pool_that_does_not_shrink_keeps_its_size():
-    """Engine.generate's pool (shrink=False): one row left of four keeps the pool of four (its tail compiles no
-    smaller pool), where a live pool shrinks to one."""
-    for shrink, size in ((False, 4), (True, 1)):
-        scheduler = new_scheduler(4, shrink=shrink)
-        for i in range(4):
-            scheduler.add(i, row(3, 20, ()))
-        assert scheduler.plan(rounds_in_flight=0).size == 4
-        for i in range(3):
-            scheduler.abort(i)
-        assert scheduler.plan(rounds_in_flight=0).size == size
-
-
 def test_pages_as_data_allocation_preemption_and_recompute():
-    """Pages, as the scheduler hands them out: a chunk takes its segments' pages; before a call every running row
-    gets what the call may write (2 rounds of gamma 1: 4 positions); when they are not free the call waits for
-    what is in flight, then the youngest row is preempted, waits first in line and comes back as a recompute of
-    its tokens but the newest (which is its resume token: nothing drawn); a finished row's pages are back at once."""
+    """Pages, as the scheduler hands them out: a chunk takes its segments' pages (and a joiner those of the rounds
+    it runs in the call); before a call every running row gets what the call may write (2 rounds of gamma 1: 4
+    positions); when they are not free the call waits for what is in flight, then the youngest row is preempted,
+    waits first in line and comes back as a recompute of its tokens but the newest (which is its resume token:
+    nothing drawn); a finished row's pages are back at once."""
     scheduler = new_scheduler(2, pages=4)  # 32 tokens of KV
-    for i, n in enumerate((12, 6)):
+    for i, n in enumerate((10, 4)):
         scheduler.add(i, row(n, 40, ()))
     step = scheduler.plan(rounds_in_flight=0)
-    # prompts of 12 and 6 tokens: 2 and 1 pages
+    # prompts of 10 and 4 tokens and the 2 positions of the round each runs after joining: 2 pages and 1
     assert [live.pages for live in scheduler.requests.values()] == [[0, 1], [2]]
-    assert step.chunk.table[:2, :2].tolist() == [[0, 1], [2, -1]] and step.chunk.next_token[:2].tolist() == [-1, -1]
-    # their first call's 4 positions: row 1 needs its second page
-    step = scheduler.plan(rounds_in_flight=0, idle=False)
+    assert step.chunk.table[0, :2, :2].tolist() == [[0, 1], [2, -1]] and step.chunk.next_token[0, :2].tolist() == [
+        -1, -1]
+    scheduler.read("rounds", 1, step.owners, call_output(step, [None, [([6, 7], 1, 0), ([6, 7], 1, 0)]],
+                                                         [[([5], 0, 0), ([5], 0, 0)], None]), step.chunk.owners)
+    # 13 and 7 tokens (12 and 6 committed): the next call's 4 positions need row 1's second page
+    step = scheduler.plan(rounds_in_flight=0)
     assert step.page_table[:, :2].tolist() == [[0, 1], [2, 3]] and scheduler.pages.free == 0
-    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0), ([5], 0, 0)]), np.array([0, 1]))
-    rounds = np.stack([packed(1, [([6, 7], 1, 0), ([6, 7], 1, 0)])] * 2)
-    scheduler.read("rounds", 1, step.owners, rounds)
-    # 17 and 11 tokens now (16 and 10 committed): the next call needs a third page for row 0, none is free: with a
+    scheduler.read("rounds", 1, step.owners, call_output(step, [[([6, 7], 1, 0)] * 2] * 2))
+    # 17 and 11 tokens (16 and 10 committed): the next call needs a third page for row 0, none is free: with a
     # call in flight it waits; with nothing in flight row 1, the younger, is preempted
     assert scheduler.plan(rounds_in_flight=1, idle=False).rounds is None and scheduler.preemptions == 0
     step = scheduler.plan(rounds_in_flight=0)
     assert step.preempt == (1,) and step.rounds == gamma_policy.Call(1) and scheduler.preemptions == 1
-    # row 0 takes the page never cached first: row 1's full first page waits in the prefix cache
-    assert list(scheduler.waiting) == [1] and scheduler.requests[0].pages == [0, 1, 3]
+    assert step.chunk is None  # the preempted prompt waits: its pages and row 0's next call do not fit beside it
+    assert list(scheduler.waiting) == [1] and len(scheduler.requests[0].pages) == 3
     # row 0 finishes: its pages are back, and row 1 is recomputed: its prompt and tokens but the newest
-    scheduler.read("rounds", 1, step.owners, np.stack([packed(1, [([8], 0, 1), ([], 0, 1)])] * 2))
+    scheduler.read("rounds", 1, step.owners, call_output(step, [[([8], 0, 1)], [([], 0, 1)]]))
     assert scheduler.pages.free == 4
     step = scheduler.plan(rounds_in_flight=0)
-    assert segments(step.chunk) == [(list(range(1, 7)) + [5, 6, 7, 6], 0, 0, True, 7)]
-    assert step.chunk.generated[0] == 5 and step.chunk.owners[0] == 1
-    # a recompute's chunk reports nothing: its tokens were reported once
-    assert scheduler.read("chunk", 1, None, packed(1, [([], 0, 0), ([], 0, 0)]), np.array([1, -1])) == []
+    assert segments(step.chunk) == [([1, 2, 3, 4, 5, 6, 7, 6, 7, 6], 0, 0, True, 7)]
+    assert step.chunk.generated[0, 0] == 7 and step.chunk.owners[0, 0] == 1
+    # a recompute's chunk reports nothing (its tokens were reported once); its row's round after it does
+    events = scheduler.read("rounds", 1, step.owners, call_output(step, [None, [([9], 0, 0)]],
+                                                                  [[([], 0, 0)] * 2, None]), step.chunk.owners)
+    assert [(e.request, e.tokens, e.gamma) for e in events] == [(1, [9], 1)]
 
 
 def test_a_preempted_prompt_counts_its_cache_hit_once():
     """A prompt that takes two cached pages and is preempted while it prefills comes back as a recompute: its
     count stays its first admission's (16), and the scheduler's total counts it once."""
-    scheduler = new_scheduler(2, pages=8, chunk=4, prefix_caching=True)
+    scheduler = new_scheduler(2, pages=8, chunk=2, prefix_caching=True)
+
+    def run(step):  # every row emits up to 2 tokens a round, done at its budget; every final segment its first
+        left = {int(r): scheduler.requests[int(r)].left for r in np.unique(step.owners) if r >= 0}
+        rounds = []
+        for j in range(step.owners.shape[0]):
+            rows = []
+            for r in step.owners[j].tolist():
+                n = min(left.get(r, 0), 2)
+                left[r] = left.get(r, 0) - n
+                rows.append(([5, 6][:n], 1, int(r < 0 or left[r] == 0)))
+            rounds.append(rows)
+        first = None
+        if step.chunk is not None:
+            first = [[([7], 0, int(scheduler.requests[int(o)].left == 1) if o >= 0 else 0) for o in owners]
+                     for owners in step.chunk.owners]
+        scheduler.read("rounds", 1, step.owners, call_output(step, rounds, first),
+                       None if step.chunk is None else step.chunk.owners)
+
     scheduler.add(0, row(17, 1))  # computes tokens 1-16: two full pages, cached when it finishes
-    while (step := scheduler.plan(0)).chunk.owners.max() < 0:
-        pass
-    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 1), ([], 0, 0)]), step.chunk.owners)
+    while 0 in scheduler.requests:
+        run(scheduler.plan(0))
     assert scheduler.pages.cached == 2
     scheduler.add(1, row(3, 60))  # a row that grows until the pages run out
-    step = scheduler.plan(0)
-    scheduler.read("chunk", 1, None, packed(1, [([5], 0, 0), ([], 0, 0)]), step.chunk.owners)
+    run(scheduler.plan(0))
     scheduler.add(2, row(40, 5))  # shares tokens 1-16
     counts = set()
     for _ in range(60):
-        step = scheduler.plan(0)
-        if step.rounds is not None:
-            lefts = [scheduler.requests[int(o)].left if o >= 0 else 0 for o in step.owners]
-            rounds = np.stack([packed(1, [([5, 6][: max(n - 2 * k, 0)], 1, int(n - 2 * k <= 2)) for n in lefts])
-                               for k in range(2)])  # each row's 2 rounds of 2 tokens, done at its budget
-            if step.chunk is not None and not step.chunk.alone:
-                chunk_rows = np.stack([packed(1, [([7], 0, 0)] * len(step.chunk.owners))])[0]
-                scheduler.read("rounds", 1, step.owners,
-                               np.concatenate([rounds.reshape(-1, rounds.shape[-1]), chunk_rows]), step.chunk.owners)
-            else:
-                scheduler.read("rounds", 1, step.owners, rounds)
-        if step.chunk is not None and (step.chunk.alone or step.rounds is None):
-            scheduler.read("chunk", 1, None, packed(1, [([7], 0, 0)] * len(step.chunk.owners)), step.chunk.owners)
+        run(scheduler.plan(0))
         if scheduler.requests[2].slot >= 0:
             counts.add(scheduler.requests[2].cached_tokens)
         if scheduler.requests[2].prefilled:

@@ -36,9 +36,9 @@ def alone(target, prompts, budgets, stops):
 
 
 def mixed_request(seed: int, count: int = 12):
-    """Prompts of 2-16 tokens and two at the cache edge, budgets of 1-30, a stop id for every other one."""
+    """Prompts of 1-16 tokens and two at the cache edge, budgets of 1-30, a stop id for every other one."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, worlds.V, size=int(n)).tolist() for n in rng.integers(2, 17, size=count - 2)]
+    prompts = [rng.integers(0, worlds.V, size=int(n)).tolist() for n in rng.integers(1, 17, size=count - 2)]
     prompts += [rng.integers(0, worlds.V, size=n).tolist() for n in (MAX_LEN - 4, MAX_LEN - 1)]
     budgets = rng.integers(1, 31, size=count).tolist()
     return prompts, budgets
@@ -67,24 +67,30 @@ AUTO_COSTS = {"auto": lambda batch, length: np.array([1.0, 1.1, 1.2, 1.3]),
               "auto-hold": lambda batch, length: np.array([1.0, 5.0, 9.0, 13.0])}
 
 
-@pytest.mark.parametrize("gamma", [0, 1, 2, 3, 4, 5, "auto", "auto-hold"])
-def test_every_prompt_equals_its_output_alone(world, reference, gamma):
-    """Through 3 slots sharing KV for one sequence: preempted rows are recomputed and lose or repeat nothing."""
+@pytest.mark.parametrize("gamma, chunk", [(0, 3), (1, 5), (2, 8), (3, 3), (4, 5), (5, 8), ("auto", 3),
+                                          ("auto-hold", 5)])
+def test_every_prompt_equals_its_output_alone(world, reference, gamma, chunk):
+    """Through 3 slots sharing KV for one sequence, prompts of 1-63 tokens prefilled 3, 5 or 8 tokens a round (a
+    prompt spans many rounds and calls, its row joining mid-call): preempted rows are recomputed and lose or repeat
+    nothing, and while prompts wait for pages a call computes fewer rows than the pool's slots."""
     target, drafter = world["random"]
     prompts, budgets, stops, expected = reference
     costs = AUTO_COSTS.get(gamma)
     engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens="auto" if costs else gamma or 1,
-                               max_len=MAX_LEN, max_batch=POOL, round_costs=costs, **tight())
+                               max_len=MAX_LEN, max_batch=POOL, round_costs=costs, prefill_chunk=chunk, **tight())
     got = engine.generate(prompts, budgets, stops)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
-    assert {r.finish_reason for r in got} == {"stop", "length"}
+    assert {r.finish_reason for r in got} == {"stop", "length"} and engine.preemptions > 0
     for r in got:  # each round emits its committed drafts and one more, but a round cut short: that one at most
         emitted = sum(a + 1 for a in r.accept_lengths)
         assert len(r.token_ids) - 1 in (emitted, emitted - 1) if gamma else r.accept_lengths == []
-    # The pool is allocated once, free, and every page is back (test_rows_outgrowing_the_kv_... preempts surely).
+    # The pool is allocated once, and its calls follow the rows that run; every prompt token rides in a call of
+    # rounds (a preempted sequence's again when it is recomputed).
     kinds = [kind for kind, _ in engine.device_events]
-    assert kinds.count("allocate") == 1
+    calls = [shape for kind, shape in engine.device_events if kind == "call"]
+    assert kinds.count("allocate") == 1 and min(rows for _, rows, _ in calls) < POOL
+    assert sum(tokens for _, _, tokens in calls) >= sum(len(p) for p in prompts)
 
 
 @pytest.mark.parametrize("gamma", [0, 1, 3, 5, "auto-hold"])
@@ -116,9 +122,9 @@ def test_a_roomy_pool_preempts_nothing(world, reference):
 
 @pytest.mark.parametrize("chunk, gamma", [(5, 0), (5, 1), (8, 2), (5, 3), (8, 5), (8, "auto")])
 def test_small_prefill_chunks_give_every_prompt_its_output_alone(world, reference, chunk, gamma):
-    """Prompts of 2-63 tokens prefilled 5 or 8 tokens a call, in the rounds' forward (mixed steps), packed two or
-    more to a chunk where they fit, continued across calls where they do not: outputs unchanged; a chunk rides
-    in a call of rounds while rows run, and the pool is allocated once, free."""
+    """Prompts of 2-63 tokens prefilled 5 or 8 tokens a round in the rounds' forward (mixed calls), packed two or
+    more to a chunk where they fit, continued across rounds and calls where they do not, their rows joining mid-call:
+    outputs unchanged; every prompt token rides in a call of rounds exactly once, and the pool is allocated once."""
     target, drafter = world["random"]
     prompts, budgets, stops, expected = reference
     engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma or 1, max_len=MAX_LEN,
@@ -126,24 +132,22 @@ def test_small_prefill_chunks_give_every_prompt_its_output_alone(world, referenc
     assert [r.token_ids for r in engine.generate(prompts, budgets, stops)] == [r.token_ids for r in expected]
     calls = [shape for kind, shape in engine.device_events if kind == "call"]
     kinds = [kind for kind, _ in engine.device_events]
-    assert kinds.count("allocate") == 1 and (engine.rounds_per_call, chunk) in calls  # mixed steps ran
-    tokens = sum(len(p) for p in prompts)
-    assert kinds.count("prefill") + sum(len(c) == 2 for c in calls) >= tokens / chunk  # every prompt token went
+    assert kinds.count("allocate") == 1 and "prefill" not in kinds
+    assert sum(tokens for _, _, tokens in calls) == sum(len(p) for p in prompts)
 
 
-def test_no_call_of_rounds_waits_for_a_whole_prefill(world):
-    """A 60-token prompt admitted beside a running row, 8 prompt tokens a call: its chunks ride in the running
-    row's calls (no call of its own after the first), and the running row gets tokens from each of them before the
-    long prompt's first token."""
+def test_every_round_carries_prompt_tokens_and_no_row_waits_for_a_whole_prefill(world):
+    """A 60-token prompt beside a 3-token one, 8 prompt tokens a round: the 63 prompt tokens ride in 2 calls of 4
+    rounds (32 and 31 tokens), where a chunk in each call's first round only would need 8 calls (the admission
+    rate of R = 4 rounds a call, 4 times the first round's); the short prompt's row joins after the first round and
+    gets tokens from each round after it, 8 chunks in all, before the long prompt's first token."""
     target, drafter = world["random"]
     short, long = [3, 4, 5], [i % worlds.V for i in range(60)]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=MAX_LEN, max_batch=2, prefill_chunk=8)
     order = [i for i, _ in engine.stream([short, long], 40)]
-    kinds = [kind for kind, _ in engine.device_events]
-    assert kinds.count("prefill") == 1  # the first chunk (3 + 5 tokens), before any row runs
-    mixed = [shape for kind, shape in engine.device_events if kind == "call" and len(shape) == 2]
-    assert len(mixed) == -(-(60 - 5) // 8)  # the long prompt's other 55 tokens, in 7 calls of rounds
-    assert order.index(1) >= len(mixed)  # the short row's tokens of each of those calls came first
+    calls = [shape for kind, shape in engine.device_events if kind == "call"]
+    assert [tokens for _, _, tokens in calls if tokens] == [32, 31] and calls[0] == (4, 1, 32)  # the short row
+    assert order.index(1) == 8
     assert [r.token_ids for r in engine.generate([short, long], 40)] == [
         r.token_ids for r in alone(target, [short, long], [40, 40], [(), ()])]
 
@@ -294,12 +298,13 @@ def test_two_thousand_prompts_through_eight_slots_stay_in_the_pools_memory(world
 
 
 def test_compile_runs_every_shape_a_pool_request_takes(world):
-    """Engine.compile: the call of rounds with and without a chunk, and a chunk's call of its own (3 calls at one
-    gamma); then a full pool's request of any prompts compiles nothing."""
+    """Engine.compile: the call of rounds without prompt tokens and with them at every row bucket of 3 slots (1, 2
+    and 3: 6 calls at one gamma), the gather and scatter of the buckets smaller than the pool (4) and the release
+    of stopped rows (1); then a full pool's request of any prompts compiles nothing."""
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=POOL)
     prompts, budgets = mixed_request(4)
-    assert engine.compile() == 3
+    assert engine.compile() == 6 + 4 + 1
     with count_compilations() as compiles:
         engine.generate(prompts, budgets)
     assert compiles.count == 0

@@ -136,7 +136,7 @@ def test_auto_gamma_caches_a_finished_rows_drafter_pages_only_once_caught_up(wor
 
 @pytest.mark.parametrize("donated", [False, True])
 def test_a_failed_operation_leaves_no_cached_page_behind(world, donated):
-    """A call that fails, before donating the pools (a compile error: its chunk planned and keyed pages it never
+    """A call that fails, before donating the pools (a compile error: its chunks planned and keyed pages it never
     wrote) or after (a device error: the pools are gone), drops the cache; the next prompt sharing the prefix
     computes it again and equals its output alone."""
     import dataclasses
@@ -152,7 +152,7 @@ def test_a_failed_operation_leaves_no_cached_page_behind(world, donated):
             real.rounds(*args, **kwargs)
         raise RuntimeError("a simulated failure")
 
-    engine.steps = dataclasses.replace(real, **{"rounds" if donated else "prefill": failing})
+    engine.steps = dataclasses.replace(real, rounds=failing)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([PREFIX + tokens(6, 3) if donated else prompt], 8)
     engine.steps = real
@@ -174,10 +174,11 @@ def test_idle_pages_are_evicted_least_recently_used_before_anything_is_preempted
 
 
 def test_pages_in_use_are_shared_never_evicted_under_a_tight_kv(world):
-    """Three slots over KV for one whole sequence: sequences hold shared prefix pages while others are preempted
-    and recomputed around them; outputs stay their outputs alone and every page comes back."""
+    """Three slots over KV for one whole sequence, prompts prefilled 5 tokens a round: sequences hold shared prefix
+    pages while others are preempted and recomputed around them; outputs stay their outputs alone and every page
+    comes back."""
     target, drafter = world
-    engine = engine_of(target, drafter, 3, max_batch=3, kv_tokens=MAX_LEN)
+    engine = engine_of(target, drafter, 3, max_batch=3, kv_tokens=MAX_LEN, prefill_chunk=5)
     got = engine.generate(SHARED, 30)
     assert [r.token_ids for r in got] == alone(target, SHARED, 30)
     assert engine.preemptions > 0 and max(r.cached_tokens for r in got) > 0

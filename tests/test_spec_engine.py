@@ -8,7 +8,7 @@ import torch
 
 import eagle3_jax
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax.decoding.live import device_chunk
+from eagle3_jax.decoding.live import device_chunks
 from eagle3_jax.decoding.live_plan import empty_chunk
 from eagle3_jax.decoding.spec_round import split_pages, with_pages
 from eagle3_jax_bench.profile import count_compilations
@@ -175,17 +175,18 @@ def test_stops_and_max_new_inside_accepted_spans(world):
 
 
 def test_calls_update_the_pages_and_rows_in_place(world):
-    """A chunk's call and a mixed call of rounds donate their state, page pools and rows alike: nothing is
-    copied."""
+    """An exact engine's chunk in a call of its own, and a call of rounds with a chunk in every round, donate their
+    state, page pools and rows alike: nothing is copied."""
     target, drafter = world["t:random"][1], world["d:random"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, max_batch=3)
     params = (target.params, drafter.params)
     rows = engine_lib.jit_empty(engine.spec, 3, engine.table_width, 8, np.float32)
-    chunk = jax.device_put(device_chunk(empty_chunk(engine.prefill_chunk, engine.prefill_sequences,
-                                                    engine.table_width, 8, 3, alone=True)))
+    plan = empty_chunk(engine.prefill_chunk, engine.prefill_sequences, engine.table_width, 8, 3, alone=False,
+                       rounds=4)
+    chunks = jax.device_put(device_chunks(plan))
     state = with_pages(rows, engine.page_pool.arrays)
-    after_chunk, _ = engine_lib.jit_prefill(*params, state, chunk, spec=engine.spec)
-    after_call, _ = engine_lib.jit_rounds(*params, after_chunk, chunk, spec=engine.spec, num_rounds=4)
+    after_chunk, _ = engine_lib.jit_prefill(*params, state, jax.tree.map(lambda x: x[0], chunks), spec=engine.spec)
+    after_call, _ = engine_lib.jit_rounds(*params, after_chunk, chunks, spec=engine.spec, num_rounds=4)
 
     def buffers(s):
         return [x for pool in (s.target_pages, s.draft_pages) for x in pool.k + pool.v] + jax.tree.leaves(
@@ -200,27 +201,31 @@ def test_one_transfer_per_call_and_no_recompile(world):
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     engine.generate(PROMPTS, 16)
     with no_implicit_transfers(), count_compilations() as compiles:
-        results = engine.generate(PROMPTS, 16)
+        engine.generate(PROMPTS, 16)
         transfers = [shape for kind, shape in engine.device_events if kind == "transfer"]
-        rounds = max(len(r.accept_lengths) for r in results)
-        calls = -(-rounds // 4)  # one chunk of prompts, then one [4 rounds, B, 2 gamma + 6] per call
-        assert transfers == [(engine.prefill_sequences, 2 * 3 + 6)] + [(4, 3, 2 * 3 + 6)] * calls
-        engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # other prompt lengths fill the same chunk shape
+        # one [4 rounds, the call's rows (a bucket of the running rows: 4, fewer as rows finish) and, in the first
+        # call, its chunks' segments, 2 gamma + 6] per call
+        calls = [shape for kind, shape in engine.device_events if kind == "call"]
+        assert calls[0] == (4, 4, sum(map(len, PROMPTS))) and all(tokens == 0 for _, _, tokens in calls[1:])
+        width = 2 * 3 + 6
+        assert transfers == [(4, 4 + engine.prefill_sequences, width)] + [(4, b, width) for _, b, _ in calls[1:]]
+        assert [b for _, b, _ in calls] == sorted((b for _, b, _ in calls), reverse=True) and calls[-1][1] < 4
+        engine.generate([[5, 6], [1], [2, 3, 4]], 16)  # other prompt lengths fill the same chunk shapes
     assert compiles.count == 0
 
 
 def test_no_call_runs_in_vain_at_the_end(world):
     """With 2 tokens a round (pi2: d_1 accepted), a call of 4 rounds emits 8 tokens while the host must
     allow for 16: the early dispatch stops while a call could end every row, and each call dispatched is
-    needed. The first call follows the prompt's chunk before its token is fetched; the fourth is dispatched
-    only once the third's tokens are fetched."""
+    needed. The first call carries the prompt in its first round and runs its row in the other three; the second
+    follows it before its tokens are fetched, the third before the second's are, and the fourth only once the
+    third's tokens are fetched."""
     target, drafter = world["t:permutation"][1], world["d:pi2"][2]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     (result,) = engine.generate([PROMPTS[0]], 30)
     assert len(result.token_ids) == 30 and result.accept_lengths == [1] * 15  # prefill + 29 in 15 rounds
     assert [kind for kind, _ in engine.device_events] == [
-        "allocate", "prefill", "call", "call", "transfer", "transfer", "call", "transfer", "transfer", "call",
-        "transfer"]
+        "allocate", "call", "call", "transfer", "call", "transfer", "transfer", "call", "transfer"]
 
 
 @pytest.mark.parametrize("rounds_per_call", [1, 2, 5])

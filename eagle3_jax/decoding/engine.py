@@ -31,13 +31,16 @@ num_draft_tokens="auto" is refused (its round costs and held pairs are one devic
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import gc
+import os
 import queue
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 
 from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import (
@@ -66,11 +69,11 @@ DEFAULT_EXACT = False
 # want. A slot holds no KV of its own (its sequence's pages do), so slots are cheap.
 MAX_DEFAULT_BATCH = 256
 CPU_DEFAULT_BATCH = 8  # ... and on the CPU, whose decoding is for tests and demos
-# Engine(prefill_chunk=...)'s default: prompt tokens each call of rounds carries. The H200's best for speculation
-# (BENCHMARKS.md (m): "auto" 1.33x its rate at 1,024 through the 512-prompt pool), 6% below 1,024 spec off.
-PREFILL_CHUNK = 2048
-# ... and on the CPU, where a chunk's arrays are as wide whatever it holds and 2048 ran the demo pair 1.65x slower
-CPU_PREFILL_CHUNK = 512
+# Engine(prefill_chunk=...)'s default: the most prompt tokens one target forward (each round of a call) carries.
+# Provisional until the GPU sweep (BENCHMARKS.md (m)) sets it.
+PREFILL_CHUNK = 512
+# ... and on the CPU, where a forward's arrays are as wide whatever it holds: 128 a round is 512 a call of 4 rounds
+CPU_PREFILL_CHUNK = 128
 # Engine(prefill_sequences=None): prompts one chunk holds, one for each PROMPT_TOKENS_PER_SEQUENCE of its tokens
 # (2 to 16). A chunk's arrays and its attention kernel's grid are that wide whatever it holds, so a few prompts of
 # typical length fill it, where one per token would launch mostly empty work.
@@ -176,20 +179,21 @@ class Engine:
         on how many tokens or rows share the step (eagle3_jax/models/kernels.py, EXACT), so greedy
         speculative output is bit for bit spec-off output in 16-bit too, not only in float32. Prefill and
         the drafter run `kernels`. Off the GPU the exact kernels run in Pallas' interpreter (slow).
-        max_batch: the slots of the pool every request decodes through (a request of fewer prompts takes
-        fewer). None: MAX_DEFAULT_BATCH on a GPU, CPU_DEFAULT_BATCH on the CPU.
+        max_batch: the slots of the pool every request decodes through; each call computes only the bucket of rows
+        it runs (live_plan.row_bucket: a power of two). None: MAX_DEFAULT_BATCH on a GPU, CPU_DEFAULT_BATCH on the
+        CPU.
         kv_tokens: the tokens of KV the engine's page pools hold, the target's and the drafter's (rounded up to
         whole pages, and at least one whole sequence of max_len); what every running sequence shares. None: on a
         GPU, page_pool.KV_SHARE of the device's memory limit after the weights; on the CPU, max_batch x max_len.
         KV that does not fit in the device's free memory is refused here, before anything is allocated.
         page_size: tokens per page (None: page_pool.default_page_size: DEFAULT_PAGE_SIZE, less for a max_len below
         it).
-        prefill_chunk: (None: PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU) the prompt tokens each call
-        of rounds carries in its first round's target forward (a mixed
-        step: the chunk rides on the weights the rounds read anyway), packed from one or more prompts; a longer
-        prompt goes on in the next call's chunk. A prompt's row joins the pool's rounds after its last chunk. With
-        no row running, and always with exact=True (its kernels' results must not depend on a chunk beside them),
-        a chunk is a call of its own.
+        prefill_chunk: (None: PREFILL_CHUNK on a GPU, CPU_PREFILL_CHUNK on the CPU) the most prompt tokens one
+        target forward carries: every round of a call carries up to that many in its target forward (a mixed call:
+        the chunk rides on the weights the rounds read anyway), packed from one or more prompts; a longer prompt
+        goes on in the next round's chunk, of the same call or the next. A prompt whose last chunk runs in round r
+        joins the pool's rows at once and runs rounds r + 1 onwards of that call. With exact=True (its kernels'
+        results must not depend on rows beside them) a chunk is a call of its own instead.
         prefill_sequences: the most prompts one chunk holds (None: one per PROMPT_TOKENS_PER_SEQUENCE of
         prefill_chunk, 2 to 16, at most max_batch).
         prefix_caching: full pages of committed KV (the target's and the drafter's) are kept, keyed by a sha256
@@ -409,45 +413,60 @@ class Engine:
                                top_p=top_p, seed=seed)
         return ((e.request, e.tokens) for e in self._events(request) if e.tokens)
 
-    def compile(self, *, samples: bool = False, top_k: int = 0) -> int:
-        """Runs every call a full pool (max_batch slots) can run once, on free rows (nothing is written), so that
-        no later request that fills the pool waits on XLA (a request of fewer prompts runs a pool of as many
-        slots, compiled on first use): the call of rounds of every gamma (under "auto", also holding its pairs,
-        whose round costs at the pool's size it also measures or loads), with and without a chunk of prompt tokens,
-        and a chunk's call of its own; greedy, or when `samples` the sampling build that rows of this `top_k` take
-        (0: the radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix
-        build either way). Returns how many calls ran."""
+    def compile(self, *, samples: bool = False, top_k: int = 0, threads: int | None = None) -> int:
+        """Compiles every program a pool of max_batch slots can run, without running them, so that no later
+        request waits on XLA: at every row bucket (live_plan.row_buckets), the call of rounds of every gamma
+        (under "auto", also holding its pairs) without prompt tokens and with them (a chunk in every round; an
+        exact engine's chunk runs in a call of its own instead, compiled once), and the pool's gather and scatter
+        of each bucket's rows; greedy, or when `samples` the sampling build that rows of this `top_k` take (0: the
+        radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
+        either way). `threads` programs compile at once (None: one per CPU core; XLA's compiler releases the
+        interpreter while it works). Under "auto" it also measures (or loads) the round costs of every bucket,
+        with and without prompt tokens. Returns how many programs it compiled."""
         template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
         spec = self.build_for(template)
-        pool, steps, pages = self.max_batch, self.steps, self.page_pool
+        steps, pages = self.steps, self.page_pool
         params = (self.target.params, self.draft_params)
-        rows = steps.empty(self.spec, pool, self.table_width, int(template.stop_ids.shape[1]),
-                           self.target.params["embed"].dtype)
-        chunk = steps.put(live.device_chunk(live_plan.empty_chunk(
-            self.prefill_chunk, self.prefill_sequences, self.table_width, int(template.stop_ids.shape[1]), pool,
-            alone=False, history=self.max_len if self.keeps_history else 0)))
-        calls = 0
+        stop_width, dtype = int(template.stop_ids.shape[1]), self.target.params["embed"].dtype
+        pool = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, dtype)
+        jobs = []  # (step, args, kwargs): compiled with real arrays, so that jit's cache keys match a call's
         pages.acquire()
         try:
-            for call in self._calls():
-                for with_chunk in (False, True) if not self.spec.exact else (False,):
-                    call_spec = dataclasses.replace(spec, gamma=call.gamma, flush=call.flush)
-                    state, packed = steps.rounds(*params, spec_round.with_pages(rows, pages.arrays),
-                                                 chunk if with_chunk else None, spec=call_spec,
-                                                 num_rounds=self.rounds_per_call)
-                    rows, pages.arrays = spec_round.split_pages(state)
-                    steps.fetch(packed)
-                    calls += 1
-            state, packed = steps.prefill(*params, spec_round.with_pages(rows, pages.arrays), chunk,
-                                          spec=self.prefill_build(spec))
-            rows, pages.arrays = spec_round.split_pages(state)
-            steps.fetch(packed)
-            calls += 1
-            if self.auto:  # the pool's round costs, measured now (or loaded) rather than on the first request
-                self.round_costs(pool, 0.0, template)
+            for bucket in live_plan.row_buckets(self.max_batch):
+                rows = steps.empty(self.spec, bucket, self.table_width, stop_width, dtype)
+                state = spec_round.with_pages(rows, pages.arrays)
+                for mixed in (False,) if self.spec.exact else (False, True):
+                    chunks = steps.put(self._empty_chunks(stop_width, bucket)) if mixed else None
+                    jobs += [(steps.rounds, (*params, state, chunks),
+                              dict(spec=dataclasses.replace(spec, gamma=call.gamma, flush=call.flush),
+                                   num_rounds=self.rounds_per_call)) for call in self._calls(mixed)]
+                if bucket < self.max_batch:
+                    index = steps.put(np.arange(bucket, dtype=np.int32))
+                    jobs += [(live.jit_take, (pool, index), {}), (live.jit_put, (pool, index, rows), {})]
+            jobs.append((live.jit_release, (pool, steps.put(np.zeros((self.max_batch,), np.int32))), {}))
+            if self.spec.exact:  # its chunks' call of their own, over the pool's slots
+                chunk = jax.tree.map(lambda x: x[0], live.device_chunks(self._chunk_plan(stop_width, 1, alone=True)))
+                jobs.append((steps.prefill, (*params, spec_round.with_pages(pool, pages.arrays), steps.put(chunk)),
+                             dict(spec=self.prefill_build(spec))))
+            with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as workers:
+                list(workers.map(lambda job: parallel_steps.compile_ahead(job[0], *job[1], **job[2]), jobs))
         finally:
             pages.release()
-        return calls
+        if self.auto:  # every bucket's round costs, measured now (or loaded) rather than on a request's first use
+            for bucket in live_plan.row_buckets(self.max_batch):
+                for mixed in (False, True):
+                    self.round_costs(bucket, 0.0, template, mixed)
+        return len(jobs)
+
+    def _chunk_plan(self, stop_width: int, rounds: int, alone: bool = False):
+        """Chunks of no prompt token (live_plan.empty_chunk) at this engine's widths, one per round."""
+        return live_plan.empty_chunk(self.prefill_chunk, self.prefill_sequences, self.table_width, stop_width,
+                                     self.max_batch, alone, self.max_len if self.keeps_history else 0, rounds)
+
+    def _empty_chunks(self, stop_width: int, bucket: int) -> spec_round.Chunk:
+        """A mixed call's chunks of no prompt token, as the pool passes them to a call of `bucket` rows."""
+        return live.device_chunks(self._chunk_plan(stop_width, self.rounds_per_call), np.arange(bucket),
+                                  self.max_batch)
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -460,11 +479,12 @@ class Engine:
         tree's nodes and beams beyond its depth (TreeShape.reach), 0 for a chain."""
         return 0 if self.tree is None else max(0, self.tree.reach - (self.draft_depth + 1))
 
-    def round_costs(self, batch: int, length: float, template: Request | None = None):
-        """Seconds of one call of rounds of each gamma in `gammas` at `batch` rows and KV `length`, for the
-        build and widths of `template` (a request; None: a greedy one with one stop id): the injected costs,
-        else round_costs.py's table for this configuration and device, measured on first use of a batch size
-        (which compiles each gamma at it, as the request would)."""
+    def round_costs(self, batch: int, length: float, template: Request | None = None, mixed: bool = False):
+        """Seconds of one call of rounds of each gamma in `gammas` at `batch` rows (a row bucket) and KV `length`,
+        carrying a chunk of prompt tokens in every round when `mixed`, for the build and widths of `template` (a
+        request; None: a greedy one with one stop id): the injected costs (`round_costs(batch, length)`, the same
+        with prompt tokens and without), else round_costs.py's table for this configuration and device, measured on
+        first use of a bucket (which compiles each gamma at it, as the request would)."""
         if self._given_costs is not None:
             return self._given_costs(batch, length)
         template = template or self.greedy_template()
@@ -472,46 +492,53 @@ class Engine:
         build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
-                      "rounds_per_call": self.rounds_per_call, "gammas": self.gammas}
+                      "rounds_per_call": self.rounds_per_call, "gammas": self.gammas,
+                      "prefill_chunk": self.prefill_chunk, "prefill_sequences": self.prefill_sequences}
             lengths = round_costs.grid_lengths(self.max_len, round_costs.margin(self.rounds_per_call,
                                                                                 self.num_draft_tokens))
             self._costs[build] = round_costs.RoundCosts(round_costs.cache_key(fields), round_costs.default_folder(),
                                                         lengths, len(self.gammas))
-        # The table's columns are `gammas` in order: column i times gamma gammas[i].
-        return self._costs[build].seconds(batch, length,
-                                          lambda b, n, i: self.time_call(b, n, self.gammas[i], template))
+        # The table's columns are `gammas` in order: column i times gamma gammas[i]; a bucket's key names whether its
+        # calls carry prompt tokens.
+        key = f"{batch}+chunks" if mixed else str(batch)
+        return self._costs[build].seconds(key, length, lambda _, n, i: self.time_call(batch, n, self.gammas[i],
+                                                                                      template, mixed=mixed))
 
     def greedy_template(self) -> Request:
         """A one-row greedy request: what build_for takes to name the greedy build."""
         return Request.build([[0]], 1, (0,), max_len=self.max_len, vocab_size=self.target.config.vocab_size)
 
-    def _calls(self) -> list[gamma_policy.Call]:
-        """Every call of rounds this engine can run: each gamma, and under "auto" gamma 0 holding its pairs."""
-        holding = [gamma_policy.Call(0, False)] if self.auto and self._holds else []
+    def _calls(self, mixed: bool = False) -> list[gamma_policy.Call]:
+        """Every call of rounds this engine can run: each gamma, and under "auto" gamma 0 holding its pairs, but in a
+        call that carries prompt tokens (whose chunks read the drafter's weights anyway: it flushes)."""
+        holding = [gamma_policy.Call(0, False)] if self.auto and self._holds and not mixed else []
         return [gamma_policy.Call(g) for g in self.gammas] + holding
 
     def time_call(self, batch: int, length: int, gamma: int, template: Request | None = None,
-                  flush: bool | None = None) -> float:
-        """Seconds per call of rounds of `gamma` on a dummy pool of `batch` live rows at KV `length`, of the
-        template request's build and widths (None: greedy, one stop id); not in `device_events`, which
-        records requests. flush None at gamma 0 under "auto": the mean over a cycle of FLUSH_CALLS calls, one
-        of which flushes. The rows read the engine's own pages and write nothing (round_costs.timing_pool), so a
-        pool's sequences keep their keys; not while a pool runs on another thread."""
+                  flush: bool | None = None, mixed: bool = False) -> float:
+        """Seconds per call of rounds of `gamma` over a bucket of `batch` rows (a dummy pool's) at KV `length`,
+        carrying a chunk's tokens in every round when `mixed` (chunks of no sequence: the forward's
+        width is the same whatever they hold), of the template request's build and widths (None: greedy, one stop
+        id): the pool's own compiled call; not in `device_events`, which records requests. flush None at gamma 0
+        under "auto": the mean over a cycle of FLUSH_CALLS calls, one of which flushes (a call that carries prompt
+        tokens always flushes). The rows read the engine's own pages and write nothing (round_costs.timing_pool), so
+        a pool's sequences keep their keys; not while a pool runs on another thread."""
         template = template or self.greedy_template()
-        if flush is None and gamma == 0 and self.auto and self._holds:
+        if flush is None and gamma == 0 and self.auto and self._holds and not mixed:
             hold, catch_up = (self.time_call(batch, length, 0, template, f) for f in (False, True))
             return ((gamma_policy.FLUSH_CALLS - 1) * hold + catch_up) / gamma_policy.FLUSH_CALLS
         spec = dataclasses.replace(self.build_for(template), gamma=gamma, flush=flush is not False)
         params, pages, steps = (self.target.params, self.draft_params), self.page_pool, self.steps
-        rows = steps.empty(self.spec, batch, self.table_width, int(template.stop_ids.shape[1]),
-                           self.target.params["embed"].dtype)
+        stop_width = int(template.stop_ids.shape[1])
+        rows = steps.empty(self.spec, batch, self.table_width, stop_width, self.target.params["embed"].dtype)
         table = round_costs.timing_table(batch, pages.num_pages, self.table_width)
         state = round_costs.timing_pool(spec_round.with_pages(rows, pages.arrays), steps.put(table), length,
                                         self.target.config.vocab_size, self.max_len)
+        chunks = steps.put(self._empty_chunks(stop_width, batch)) if mixed else None
         seconds, state = round_costs.time_calls(
-            # The engine's own steps (sharded on a mesh), the chunk given as the pool gives it (None, by position):
-            # jit keys its cache on how arguments are passed.
-            lambda s: steps.rounds(*params, s, None, spec=spec, num_rounds=self.rounds_per_call), state)
+            # The engine's own steps (sharded on a mesh), its arguments passed as the pool passes them (by
+            # position): jit keys its cache on how arguments are passed.
+            lambda s: steps.rounds(*params, s, chunks, spec=spec, num_rounds=self.rounds_per_call), state)
         _, pages.arrays = spec_round.split_pages(state)
         return seconds
 
@@ -541,11 +568,10 @@ class Engine:
 
     def _events(self, request: Request, trace: bool = False) -> Iterator[live_plan.Event]:
         """The request's events (Event.request: the prompt's index) from a live pool of its own: every prompt
-        submitted at once, min(max_batch, prompts) slots kept to the end. Closing the iterator aborts what is
-        left; a device failure in the pool raises here."""
+        submitted at once into max_batch slots (each call computes the bucket of rows it runs). Closing the iterator
+        aborts what is left; a device failure in the pool raises here."""
         self.device_events = []
-        pool = live.LivePool(self, int(request.stop_ids.shape[1]), max_batch=self._pool_rows(request), shrink=False,
-                             trace=trace, events=self.device_events)
+        pool = live.LivePool(self, int(request.stop_ids.shape[1]), trace=trace, events=self.device_events)
         arrived: queue.SimpleQueue = queue.SimpleQueue()
         try:
             pool.submit_all(live_plan.request_rows(request, self.max_len), arrived.put)

@@ -120,7 +120,7 @@ class Fixed:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def choose(self, length: float) -> Call:
+    def choose(self, length: float, rows: int, mixed: bool) -> Call:
         return Call(self.gamma)
 
     def dispatched(self, call: Call) -> None:
@@ -135,22 +135,25 @@ class Fixed:
 
 class Auto:
     """The policy of one request under num_draft_tokens="auto": the acceptance its rounds showed so far
-    (`observe`), and `seconds(length)`, a call's cost per gamma 0 .. G at its pool's batch size. holds: whether
-    gamma-0 calls hold their pairs back from the proposer (one that reads target features); a proposer that
-    does not is up to date after every call, and its gamma-0 rounds report their evidence themselves."""
+    (`observe`), and `seconds(length, rows, mixed)`, a call's cost per gamma 0 .. G at the rows it computes (its
+    bucket) and with or without prompt tokens in its rounds. holds: whether gamma-0 calls hold their pairs back
+    from the proposer (one that reads target features); a proposer that does not is up to date after every call,
+    and its gamma-0 rounds report their evidence themselves. A call that carries prompt tokens never holds: its
+    chunks read the drafter's weights anyway, so it flushes."""
 
     def __init__(self, max_gamma: int, seconds, holds: bool = True):
         self.stats, self._seconds, self._holds = Acceptance.fresh(max_gamma), seconds, holds
         self.holding = 0  # gamma-0 calls dispatched since the drafter was last brought up to date
         self.rounds_seen = 0
 
-    def choose(self, length: float) -> Call:
-        """The next call at this mean KV length (nothing changes until it is `dispatched`)."""
-        gamma = choose(rates(self.stats), self._seconds(length))
+    def choose(self, length: float, rows: int, mixed: bool) -> Call:
+        """The next call at this mean KV length, of `rows` rows, carrying prompt tokens or not (nothing changes
+        until it is `dispatched`)."""
+        gamma = choose(rates(self.stats), self._seconds(length, rows, mixed))
         if not self._holds:
             return Call(gamma)
         if gamma == 0:
-            return Call(0, flush=self.holding + 1 == FLUSH_CALLS)
+            return Call(0, flush=mixed or self.holding + 1 == FLUSH_CALLS)
         return Call(0) if self.holding else Call(gamma)  # the drafter must catch up before it drafts
 
     def dispatched(self, call: Call) -> None:

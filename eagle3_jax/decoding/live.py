@@ -1,25 +1,25 @@
 """A live pool: an Engine's slots serving requests that arrive while it runs.
 
 `LivePool.submit` checks a prompt and its settings (ValueError before any device work) and queues it; a
-thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (stop aborted rows,
-resize the pool, stop preempted rows, load the page table, dispatch a call of rounds with its chunk of prompt
-tokens, or the chunk in a call of its own) and reads the operations' transfers in the order they were
-dispatched, handing each request's tokens to its callback as its rounds complete. `abort` frees a request's slot
-and pages at the next step. Callers never wait on the scheduler: submit and abort only queue, under a lock the
-scheduler holds for no device work. The pool holds its engine's KV pages (page_pool.py) from construction to
-`close`: one pool runs on an engine at a time.
+thread of the pool's own runs the scheduler (live_plan.py), executes each step it decides (allocate the pool's
+rows, stop aborted and preempted rows, load the page table, dispatch a call of rounds over its row bucket with the
+prompt tokens its rounds carry, or, for an exact engine, a chunk in a call of its own) and reads the operations'
+transfers in the order they were dispatched, handing each request's tokens to its callback as its rounds complete.
+`abort` frees a request's slot and pages at the next step. Callers never wait on the scheduler: submit and abort
+only queue, under a lock the scheduler holds for no device work. The pool holds its engine's KV pages
+(page_pool.py) from construction to `close`: one pool runs on an engine at a time.
 
 Requests of different settings share the pool: every row carries its own sampling settings (greedy rows with
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
-rounds runs the engine's greedy build when every running row is greedy, else the sampling build of the running
-rows' settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
+rounds runs the engine's greedy build when every row it runs is greedy, else the sampling build of those rows'
+settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
 the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
-num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with the round costs of the pool's
-current size.
+num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with each call's round costs at its row
+bucket, with or without prompt tokens.
 
 `Engine.generate`, `stream` and `as_completed` run on a pool of their own (`Engine._events`): every prompt of the
-request submitted at once (`submit_all`), a pool of min(max_batch, prompts) slots that does not shrink, the
-request's stop width, and the rounds' traces when asked for.
+request submitted at once (`submit_all`), the engine's max_batch slots, the request's stop width, and the rounds'
+traces when asked for.
 """
 
 from __future__ import annotations
@@ -41,18 +41,19 @@ from eagle3_jax.decoding.request import Request
 STOP_WIDTH = 8  # stop ids a live request may have: the pool's rows all carry this many (padded with -1)
 THREAD_STACK_BYTES = 256 * 2**20  # the pool thread's stack (reserved address space, committed only as used)
 
-jit_resize = jax.jit(slots.resize)
 jit_release = jax.jit(slots.release, donate_argnames=("rows",))
+jit_take = jax.jit(slots.take)
+jit_put = jax.jit(slots.put, donate_argnames=("rows",))
 
 
 class LivePool:
     """An engine's pool serving requests submitted at any time from any thread (see the module docstring).
-    max_batch: the most slots (None: the engine's); shrink: whether the pool shrinks when its requests fill a
-    quarter of it; trace: whether events carry each speculative round's drafts and target choices; events: a
-    list the pool appends its device operations to (Engine.device_events' kinds), or None."""
+    max_batch: the pool's slots (None: the engine's); trace: whether events carry each speculative round's drafts
+    and target choices; events: a list the pool appends its device operations to (Engine.device_events' kinds),
+    or None."""
 
-    def __init__(self, engine, stop_width: int = STOP_WIDTH, *, max_batch: int | None = None, shrink: bool = True,
-                 trace: bool = False, events: list | None = None):
+    def __init__(self, engine, stop_width: int = STOP_WIDTH, *, max_batch: int | None = None, trace: bool = False,
+                 events: list | None = None):
         if not isinstance(stop_width, int) or stop_width < 1:
             raise ValueError(f"stop_width must be a positive int, got {stop_width!r}")
         self.engine, self.stop_width = engine, stop_width
@@ -64,8 +65,8 @@ class LivePool:
             # The policy lives in this pool's scheduler: it reaches the pool weakly, so a closed pool (and the engine
             # it holds, with its pages) is freed when dropped, not when the garbage collector next runs.
             me = weakref.ref(self)
-            policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length: engine.round_costs(
-                me()._scheduler.size, length, me()._cost_template()), holds=engine.holds_pairs)
+            policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length, rows, mixed: engine.round_costs(
+                rows, length, me()._cost_template(), mixed), holds=engine.holds_pairs)
         else:
             policy = gamma_policy.Fixed(engine.draft_depth)
         self._pages = engine.page_pool
@@ -73,7 +74,7 @@ class LivePool:
         self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_chunk,
                                         engine.prefill_sequences, engine.rounds_per_call, policy,
                                         engine.drafter is not None, self._pages,
-                                        engine.table_width, engine.draft_depth, stop_width, shrink, trace,
+                                        engine.table_width, engine.draft_depth, stop_width, trace,
                                         alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
                                         with_next=engine.holds_pairs, history=engine.keeps_history,
                                         tree_nodes=engine.tree.nodes if engine.tree else 0, scratch=engine.scratch)
@@ -239,44 +240,51 @@ class LivePool:
     def _execute(self, step: Step) -> None:
         engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine.steps, self._pages
         params = (engine.target.params, engine.draft_params)
-        if step.release and self._rows is not None:
-            self._rows = jit_release(self._rows, steps.put(np.array(step.release, np.int32)))
-        if step.resize is not None:
-            if self._rows is None:
-                self._events.append(("allocate", (step.size,)))
-                self._rows = steps.empty(engine.spec, step.size, engine.table_width, self.stop_width,
-                                         engine.target.params["embed"].dtype)
-            else:
-                self._rows = jit_resize(self._rows, steps.put(step.resize))
-        if step.preempt:
-            self._rows = jit_release(self._rows, steps.put(np.array(step.preempt, np.int32)))
+        if step.allocate:
+            self._events.append(("allocate", (step.allocate,)))
+            self._rows = steps.empty(engine.spec, step.allocate, engine.table_width, self.stop_width,
+                                     engine.target.params["embed"].dtype)
+        stopped = step.release + step.preempt
+        if stopped:  # padded to the pool's slots (past them: dropped), so that one compilation serves every count
+            index = np.full((scheduler.capacity,), scheduler.capacity, np.int32)
+            index[: len(stopped)] = stopped
+            self._rows = jit_release(self._rows, steps.put(index))
         if step.page_table is not None:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
         build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
-        on_device = None if chunk is None else steps.put(device_chunk(chunk))
         if step.rounds is not None:
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
             mixed = chunk is not None and not chunk.alone
-            self._events.append(("call", (engine.rounds_per_call,) + ((len(chunk.tokens),) if mixed else ())))
-            state = spec_round.with_pages(self._rows, pages.arrays)
-            state, packed = steps.rounds(*params, state, on_device if mixed else None, spec=spec,
+            width = step.owners.shape[1]
+            self._events.append(("call", (engine.rounds_per_call, width, chunk.prompt_tokens if mixed else 0)))
+            index = None if step.rows is None else steps.put(step.rows)
+            on_device = steps.put(device_chunks(chunk, step.rows, scheduler.capacity)) if mixed else None
+            rows = self._rows if index is None else jit_take(self._rows, index)
+            state, packed = steps.rounds(*params, spec_round.with_pages(rows, pages.arrays), on_device, spec=spec,
                                          num_rounds=engine.rounds_per_call)
-            self._rows, pages.arrays = spec_round.split_pages(state)
+            rows, pages.arrays = spec_round.split_pages(state)
+            self._rows = rows if index is None else jit_put(self._rows, index, rows)
             synced = step.rounds.gamma > 0 or step.rounds.flush or not engine.holds_pairs
             self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
                                 synced))
-        if chunk is not None and (chunk.alone or step.rounds is None):
-            self._events.append(("prefill", (len(chunk.tokens),)))
+        if chunk is not None and chunk.alone:
+            self._events.append(("prefill", (chunk.prompt_tokens,)))
             state = spec_round.with_pages(self._rows, pages.arrays)
+            on_device = steps.put(jax.tree.map(lambda x: x[0], device_chunks(chunk)))
             state, packed = steps.prefill(*params, state, on_device, spec=engine.prefill_build(build))
             self._rows, pages.arrays = spec_round.split_pages(state)
-            self._queue.append(("chunk", packed, engine.draft_depth, None, chunk.owners, True))
+            self._queue.append(("chunk", packed, engine.draft_depth, None, chunk.owners[0], True))
 
 
-def device_chunk(chunk) -> spec_round.Chunk:
-    """A chunk plan's arrays as spec_round.Chunk takes them (host arrays, for the steps' put)."""
-    return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, chunk.slot,
-                            chunk.next_token, chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling,
-                            chunk.history)
+def device_chunks(chunk, rows: np.ndarray | None = None, capacity: int = 0) -> spec_round.Chunk:
+    """A chunk plan's arrays as spec_round.Chunk takes them (host arrays, for the steps' put), its slots turned into
+    positions in the call's `rows` (None: every slot, in order; a slot of none, the pool's capacity, past them)."""
+    slot = chunk.slot
+    if rows is not None:
+        position = np.full((capacity + 1,), len(rows), np.int32)
+        position[rows] = np.arange(len(rows), dtype=np.int32)
+        slot = position[np.minimum(slot, capacity)]
+    return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, slot, chunk.next_token,
+                            chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history)

@@ -2,37 +2,41 @@
 decision of each step as data (`Step`) for a runner to execute (live.py).
 
 A request waits in arrival order until a slot and its pages are free. Its prompt is then prefilled in chunks
-(`ChunkPlan`): each call of rounds carries up to `prefill_chunk` prompt tokens, of one or more prompts packed, in
-its first round's target forward (a mixed step); a prompt longer than that goes on in the next call's chunk, and
-when its last chunk has run, its first token is drawn and its row joins the pool for the next call's rounds. With
-no running row, or for an exact engine, a chunk is a call of its own (`ChunkPlan.alone`). `plan` also frees the
-slots of aborted requests, resizes the pool to the batch it needs, gives the running rows the pages the next
-call may write into, and picks that call's gamma. The pool holds `size` slots, a power of four up to max_batch:
-enough for the running and waiting requests, so that a lone request runs rounds of one row, not of max_batch. A
-pool that does not `shrink` (Engine.generate's, whose requests all arrive at once) keeps its size to the end,
-so its tail compiles no smaller pool.
+(`ChunkPlan`): every round of a call of rounds carries up to `prefill_chunk` prompt tokens, of one or more prompts
+packed, in its target forward (a mixed call); a prompt longer than that goes on in the next round's chunk, of this
+call or the next. When its last chunk has run in round r, its first token is drawn and its row joins the pool's
+rows at once: it runs rounds r + 1 onwards of the same call (or, when r is the call's last round, the next call's
+rounds). A call runs whenever some row runs or some prompt token can go, with no running row too. Only an exact
+engine prefills in calls of their own (`ChunkPlan.alone`: one chunk a call, beside its calls of rounds), its kernels'
+results not depending on rows beside them.
+
+Rows: the pool holds `capacity` slots (the device's rows, allocated once); a call computes only a bucket of them
+(`row_bucket`: a power of two, at most capacity), chosen by the rows that run in it: the running rows and those its
+chunks join, then free slots to fill the bucket. So a lone request runs rounds of one row, and hundreds of waiting
+prompts cost no round anything. `plan` also frees the slots of aborted requests, gives the running rows the pages
+the next call may write into, and picks that call's gamma for its bucket and whether it carries prompt tokens.
 
 Pages (page_pool.py): a sequence holds the pages of its prompt's KV as its chunks write it, then of its committed
 KV and of every position its dispatched calls may write (a call of R rounds of gamma G writes at most R (G + 1)
-positions past the committed ones; nothing past max_len). A prompt is admitted only while the running rows' next
-call (at the largest gamma) and its whole prompt and first call fit in the free pages beside them. When the
-running rows' next call does not fit, the youngest sequence (running or prefilling) is preempted: its pages are
-freed and it waits again, ahead of the others, to be recomputed from its prompt and the tokens it already emitted
-(a chunk's resume token: the recompute rebuilds the caches and draws nothing, so a sampled row goes on with its
-own random stream). A preemption needs the host to know every token: it happens only when nothing is in flight;
-until then the call waits.
+positions past the committed ones; nothing past max_len; a row that joins in round r of a call takes the pages of
+its R - 1 - r rounds there with its last chunk). A prompt is admitted only while the running rows' next call (at
+the largest gamma) and its whole prompt and first call fit in the free pages beside them. When the running rows'
+next call does not fit, the youngest sequence (running or prefilling) is preempted: its pages are freed and it waits
+again, ahead of the others, to be recomputed from its prompt and the tokens it already emitted (a chunk's resume
+token: the recompute rebuilds the caches and draws nothing, so a sampled row goes on with its own random stream). A
+preemption needs the host to know every token: it happens only when nothing is in flight; until then the call waits.
 
 Prefix caching (page_pool.py): a sequence admitted first takes the cached pages of its longest cached prefix of
 whole pages (at least its last token is computed) and its chunks start after them; a sequence's full pages of
 committed KV join the cache as its chunks write them, and as its rounds commit them once its drafter's KV is up to
 date (every call that drafts, or that brings a held drafter up to date).
 
-While some running row surely needs another call (more tokens left than the call in flight can emit), the
-next call is planned before the one in flight is read, so the device does not idle on the host. While requests
-wait for slots, only when every running row needs it: a slot freed by the call in flight is then refilled
-before another call runs without it. `read` attributes one operation's transfer to the requests that held its
-rows when it was dispatched (the owner snapshots travel with the operation), so a row that finished or was
-aborted while the operation was in flight is ignored.
+While some running row surely needs another call (more tokens left than the call in flight can emit), or some
+prompt token can go, the next call is planned before the one in flight is read, so the device does not idle on the
+host. While requests wait for a slot, only when every running row needs it: a slot freed by the call in flight is
+then refilled before another call runs without it. `read` attributes one operation's transfer to the requests that
+held its rows in each round when it was dispatched (the owner snapshots travel with the operation), so a row that
+finished or was aborted while the operation was in flight is ignored.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ from eagle3_jax.decoding.sampling import SamplingParams
 class Policy(Protocol):
     """Which gamma each call of rounds runs (gamma_policy.py)."""
 
-    # The next call (gamma_policy.Call) at this mean KV length of the running rows; nothing changes until
-    # `dispatched` says it ran.
-    def choose(self, length: float): ...
+    # The next call (gamma_policy.Call) at this mean KV length of its rows, for a call of `rows` rows (its bucket)
+    # that carries prompt tokens or not (`mixed`); nothing changes until `dispatched` says it ran.
+    def choose(self, length: float, rows: int, mixed: bool): ...
 
     def dispatched(self, call) -> None: ...
 
@@ -67,44 +71,52 @@ class Policy(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
-    """A chunk's prompt tokens as the host lays them out (spec_round.Chunk's fields, numpy), and whose they are."""
+    """The prompt tokens of a call's rounds as the host lays them out (spec_round.Chunk's fields, numpy, one chunk
+    per round on the leading axis R), and whose they are. Slots are the pool's (live.device_chunks turns them into
+    positions in the call's rows)."""
 
-    tokens: np.ndarray  # [C] int32
-    cu: np.ndarray  # [P + 1] int32
-    start: np.ndarray  # [P] int32
-    table: np.ndarray  # [P, W] int32
-    final: np.ndarray  # [P] bool
-    slot: np.ndarray  # [P] int32
-    next_token: np.ndarray  # [P] int32
-    generated: np.ndarray  # [P] int32
-    max_new: np.ndarray  # [P] int32
-    stop_ids: np.ndarray  # [P, width] int32
-    sampling: SamplingParams  # [P]
-    owners: np.ndarray  # [P] int64: the request whose prompt each final segment ends (-1: none)
-    alone: bool  # a call of its own (no running row, or an exact engine), not riding in a call of rounds
-    history: np.ndarray | None = None  # [P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+    tokens: np.ndarray  # [R, C] int32
+    cu: np.ndarray  # [R, P + 1] int32
+    start: np.ndarray  # [R, P] int32
+    table: np.ndarray  # [R, P, W] int32
+    final: np.ndarray  # [R, P] bool
+    slot: np.ndarray  # [R, P] int32 (the pool's capacity: none)
+    next_token: np.ndarray  # [R, P] int32
+    generated: np.ndarray  # [R, P] int32
+    max_new: np.ndarray  # [R, P] int32
+    stop_ids: np.ndarray  # [R, P, width] int32
+    sampling: SamplingParams  # [R, P]
+    owners: np.ndarray  # [R, P] int64: the request whose prompt each final segment ends (-1: none)
+    alone: bool  # a call of its own (an exact engine's; R = 1), not riding in a call of rounds
+    history: np.ndarray | None = None  # [R, P, max_len] int32: a final segment's whole sequence (prompt lookup's)
 
     @property
     def samples(self) -> bool:
-        """Whether some final segment draws its first token (a sampling build then)."""
-        return bool(np.any(self.final & (self.next_token < 0) & (self.sampling.temperature > 0)))
+        """Whether some final segment's row samples (a sampling build then: it draws its first token, and runs its
+        rounds in the same call)."""
+        return bool(np.any(self.final & (self.sampling.temperature > 0)))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The real prompt tokens it carries, over all its rounds."""
+        return int(self.cu[:, -1].sum())
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step of the live pool, in the order the runner executes it."""
 
-    release: tuple[int, ...]  # slots (before the resize) whose aborted rows stop: marked done on the device
-    # The pool's new layout: new slot i takes old slot resize[i]; an index >= the old size is a free slot.
-    # None: the layout is unchanged. The first step of a pool (no state yet) allocates `size` free slots.
-    resize: np.ndarray | None
-    size: int  # the pool's slots after the resize
-    preempt: tuple[int, ...]  # slots (after the resize) whose preempted rows stop
+    allocate: int  # the pool's slots to allocate first (its first step), else 0
+    release: tuple[int, ...]  # slots whose aborted rows stop: marked done on the device
+    preempt: tuple[int, ...]  # slots whose preempted rows stop
     rounds: object | None  # the call of rounds to dispatch (gamma_policy.Call), None: none this step
-    chunk: ChunkPlan | None  # prompt tokens: in the call of rounds, or (chunk.alone) after it in a call of their own
-    sampling: bool  # whether the call's rows (or its chunk's first tokens) include a sampled one: the sampling build
-    page_table: np.ndarray | None  # [size, W] every slot's pages, to load before the call; None: unchanged
-    owners: np.ndarray  # [size] int64: the request running in each slot (-1: none), the call of rounds' rows
+    # The slots the call computes, its row bucket (distinct; running rows, the rows its chunk joins, then free
+    # slots); None: every slot, in order.
+    rows: np.ndarray | None
+    owners: np.ndarray  # [R, rows] int64: the request running in each of the call's rows in each round (-1: none)
+    chunk: ChunkPlan | None  # prompt tokens: in the call's rounds, or (chunk.alone) in a call of their own after it
+    sampling: bool  # whether the call's rows (or its chunk's rows) include a sampled one: the sampling build
+    page_table: np.ndarray | None  # [capacity, W] every slot's pages, to load before the call; None: unchanged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,32 +184,33 @@ class _Live:
 
 class LiveScheduler:
     """The host state of a live pool: waiting, prefilling and running requests, the slot and pages each holds,
-    the gamma policy. pages: the engine's page pool (page_pool.PagePool), whose free pages this scheduler hands
-    out; width: the page table's columns (kv_cache.table_width); prefill_chunk, prefill_sequences: a chunk's prompt
-    tokens and the most prompts it holds; alone: whether every chunk runs in a call of its own (an exact engine's:
-    its kernels' results must not depend on a chunk beside them); prefix_caching, with_next: whether sequences
-    share cached prefixes, and whether a page's key holds the token after it (page_pool.chain_keys); history:
-    whether a chunk carries each final segment's whole sequence (prompt lookup's history, which a cached prefix
-    would leave without the tokens no chunk holds); tree_nodes: a draft tree's nodes (its rounds' outputs carry the
-    tree: round_output), 0 for a chain; scratch: positions a call's last round writes past the R (G + 1) it may
-    commit (a tree's nodes and beams past its depth: Engine.scratch), which its rows' pages must hold too."""
+    the gamma policy. capacity: the pool's slots; pages: the engine's page pool (page_pool.PagePool), whose free
+    pages this scheduler hands out; width: the page table's columns (kv_cache.table_width); prefill_chunk,
+    prefill_sequences: the prompt tokens one target forward carries and the most prompts it holds; alone: whether
+    every chunk runs in a call of its own (an exact engine's: its kernels' results must not depend on rows beside
+    it); prefix_caching, with_next: whether sequences share cached prefixes, and whether a page's key holds the token
+    after it (page_pool.chain_keys); history: whether a chunk carries each final segment's whole sequence (prompt
+    lookup's history, which a cached prefix would leave without the tokens no chunk holds); tree_nodes: a draft tree's
+    nodes (its rounds' outputs carry the tree: round_output), 0 for a chain; scratch: positions a call's last round
+    writes past the R (G + 1) its rounds may commit (a tree's nodes and beams past its depth: Engine.scratch), which
+    its rows' pages must hold too."""
 
-    def __init__(self, max_batch: int, max_len: int, prefill_chunk: int, prefill_sequences: int,
+    def __init__(self, capacity: int, max_len: int, prefill_chunk: int, prefill_sequences: int,
                  rounds_per_call: int, policy: Policy, speculative: bool, pages: PagePool, width: int,
-                 max_gamma: int, stop_width: int, shrink: bool = True, trace: bool = False, alone: bool = False,
+                 max_gamma: int, stop_width: int, trace: bool = False, alone: bool = False,
                  prefix_caching: bool = False, with_next: bool = False, history: bool = False, tree_nodes: int = 0,
                  scratch: int = 0):
-        self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
+        self.capacity, self.max_len, self.prefill_chunk = capacity, max_len, prefill_chunk
         self.rounds_per_call, self.policy, self.speculative = rounds_per_call, policy, speculative
         self.pages, self.width, self.max_gamma, self.stop_width = pages, width, max_gamma, stop_width
-        self.shrink, self.trace, self.alone = shrink, trace, alone
+        self.trace, self.alone = trace, alone
         # with_next: the cache keys a page with the token after it (an EAGLE-3 drafter's last entry pairs with it)
         self.prefix_caching, self.with_next = prefix_caching, with_next
         self.history = history  # chunks carry a final segment's whole sequence (a proposer's token history)
         self.chunk_sequences = prefill_sequences
         self.tree_nodes, self.scratch = tree_nodes, scratch
-        self.size = 0  # the pool's slots (0: no pool yet)
-        self.owner = np.zeros((0,), np.int64)  # request id per slot, -1 free
+        self.allocated = False  # whether the pool's rows exist on the device (its first step allocates them)
+        self.owner = np.full((capacity,), -1, np.int64)  # request id per slot, -1 free
         self.waiting: collections.deque[int] = collections.deque()
         self.requests: dict[int, _Live] = {}
         self.preemptions = 0  # sequences preempted so far
@@ -205,6 +218,7 @@ class LiveScheduler:
         self._release: list[int] = []  # slots of aborted rows, for the next step's `release`
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
+        self._last_gamma = max_gamma  # the latest dispatched call's gamma: what a call in flight may emit
 
     @property
     def running(self) -> int:
@@ -248,53 +262,87 @@ class LiveScheduler:
         costs."""
         rows = [self.requests[r].row for r in self._running()]
         if chunk is not None:
-            rows += [self.requests[int(r)].row for r in chunk.owners if r >= 0]
+            rows += [self.requests[int(r)].row for r in chunk.owners.ravel() if r >= 0 and int(r) in self.requests]
         rows = rows or [next(iter(self.requests.values())).row]
         return stack(rows, len(rows), self.max_len)
 
     def plan(self, rounds_in_flight: int, idle: bool | None = None) -> Step:
-        """The next step. rounds_in_flight: calls dispatched and not read yet (at most one more is planned then,
-        and only when no running row can finish in the one in flight and nothing waits); idle: whether nothing at
-        all is in flight (None: no call in flight), which a preemption needs."""
+        """The next step. rounds_in_flight: calls dispatched and not read yet (at most one more is planned then:
+        when the running rows surely need it, or some prompt token can go); idle: whether nothing at all is in
+        flight (None: no call in flight), which a preemption needs."""
         idle = rounds_in_flight == 0 if idle is None else idle
         release, self._release = tuple(self._release), []
-        resize, size = self._resize(rounds_in_flight)
+        allocate = 0 if self.allocated else self.capacity
+        self.allocated = True
         preempted: list[int] = []
-        rounds = None
         busy = self._running()
         # Tokens each running row may still emit once what is in flight arrives (its first token).
-        left = np.array([self.requests[r].left - (not self.requests[r].prefilled) for r in busy])
-        if rounds_in_flight == 0 and np.any(left > 0):
-            rounds = self._choose()
-        elif rounds_in_flight == 1 and busy and self.policy.may_choose_ahead():
-            ahead = self._choose()
-            need = left > self.rounds_per_call * (ahead.gamma + 1)
-            if need.all() if self.waiting else need.any():
-                rounds = ahead
-        # The call's pages; when the running rows' are not free, the call waits for what is in flight to be read, or
-        # preempts when nothing is.
-        if rounds is not None and not self._grow(self.rounds_per_call * (rounds.gamma + 1) + self.scratch, idle,
-                                                 preempted):
-            rounds = None
-        busy = self._running()  # the call's rows: not the preempted ones, nor those this step's chunk joins
-        # A chunk rides in the call of rounds; with no row running (or for an exact engine) it is a call of its own.
-        chunk = self._chunk(alone=self.alone or rounds is None) if rounds is not None or not busy or self.alone \
-            else None
-        owners = np.full((self.size,), -1, np.int64)
-        if rounds is not None:
+        left = np.array([self.requests[r].left - (not self.requests[r].prefilled) for r in busy], np.int64)
+        prompts = not self.alone and self._prompts_can_go()
+        if rounds_in_flight == 0:
+            needed = bool(np.any(left > 0))
+        elif rounds_in_flight == 1 and self.policy.may_choose_ahead():
+            need = left > self.rounds_per_call * (self._last_gamma + 1)
+            needed = bool(need.all() if self.waiting and not self._free_slots() else need.any())
+        else:
+            needed = prompts = False
+        go = needed or prompts
+        # The running rows' pages for the call (at the largest gamma: the chunk planned next may admit prompts only
+        # beside them); when they are not free, the call waits for what is in flight to be read, or preempts.
+        if go and busy and not self._grow(self.rounds_per_call * (self.max_gamma + 1) + self.scratch, idle, preempted):
+            go = False
+        busy = self._running()  # not the preempted ones
+        joiners: list[tuple[_Live, int]] = []
+        chunk = self._chunks(self.rounds_per_call, joiners) if go and not self.alone else None
+        rounds, rows, owners = None, None, np.full((self.rounds_per_call, 0), -1, np.int64)
+        if go and (needed or chunk is not None):  # a call planned for prompt tokens carries some
+            rows, owners = self._rows(busy, joiners)
+            length = np.mean([self.requests[r].length for r in busy] or [len(live.sequence()[0]) for live, _ in joiners]
+                             or [0.0])
+            rounds = self.policy.choose(float(length), owners.shape[1], chunk is not None)
             self.policy.dispatched(rounds)
+            self._last_gamma = rounds.gamma
             for r in busy:
                 self.requests[r].unread.append(self.rounds_per_call * (rounds.gamma + 1))
-                owners[self.requests[r].slot] = r
+            for live, j in joiners:
+                live.unread.append((self.rounds_per_call - 1 - j) * (rounds.gamma + 1))
+        if self.alone:  # an exact engine: a chunk is a call of its own, after the call of rounds
+            chunk = self._chunks(1, [], alone=True)
         table = None
         if rounds is not None and self._table_changed:
             table, self._table_changed = self.page_table(), False
         sampling = (rounds is not None and self.samples()) or (chunk is not None and chunk.samples)
-        return Step(release, resize, size, tuple(preempted), rounds, chunk, sampling, table, owners)
+        return Step(allocate, release, tuple(preempted), rounds, rows, owners, chunk, sampling, table)
+
+    def _free_slots(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self.owner < 0)]
+
+    def _prompts_can_go(self) -> bool:
+        """Whether some prompt token can be prefilled now: a prefilling sequence's, or a waiting one's with a free
+        slot (pages permitting: `_chunks` decides)."""
+        prefilling = any(not self.requests[int(r)].joined for r in self.owner if r >= 0)
+        return prefilling or bool(self.waiting and self._free_slots())
+
+    def _rows(self, busy: list[int], joiners: list) -> tuple[np.ndarray | None, np.ndarray]:
+        """A call's rows (`Step.rows`) and their owners in each round: the running rows, the rows its chunks join
+        (from the round after their last chunk), then free slots up to the bucket."""
+        slots = [self.requests[r].slot for r in busy] + [live.slot for live, _ in joiners]
+        bucket = row_bucket(len(slots), self.capacity)
+        taken = set(slots)
+        slots += [s for s in range(self.capacity) if s not in taken][: bucket - len(slots)]
+        owners = np.full((self.rounds_per_call, bucket), -1, np.int64)
+        for i, r in enumerate(busy):
+            owners[:, i] = r
+        for i, (live, j) in enumerate(joiners, start=len(busy)):
+            owners[j + 1:, i] = self.owner[live.slot]
+        if bucket == self.capacity:  # every slot: in slot order, no gather
+            order = np.argsort(slots)
+            return None, owners[:, order]
+        return np.array(slots, np.int32), owners
 
     def page_table(self) -> np.ndarray:
-        """[size, W] every running slot's pages (-1 past them, and for a slot with no running row)."""
-        table = np.full((self.size, self.width), -1, np.int32)
+        """[capacity, W] every running slot's pages (-1 past them, and for a slot with no running row)."""
+        table = np.full((self.capacity, self.width), -1, np.int32)
         for r in self._running():
             live = self.requests[r]
             table[live.slot, : len(live.pages)] = live.pages
@@ -340,42 +388,36 @@ class LiveScheduler:
         live.pages, live.unread = [], collections.deque()
         self._table_changed = True
 
-    def _choose(self):
-        return self.policy.choose(float(np.mean([self.requests[r].length for r in self._running()])))
+    def _chunks(self, rounds: int, joiners: list, alone: bool = False) -> ChunkPlan | None:
+        """The prompt tokens of a call's `rounds` rounds (one forward each), each round's segments planned after the
+        one before (a prompt goes on where the last round left it); the rows whose last chunk runs in round j go to
+        `joiners` as (live, j). None when no prompt token can go."""
+        plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.capacity,
+                           alone, self.max_len if self.history else 0, rounds)
+        laid = False
+        for j in range(rounds):
+            segments = self._segments(0 if alone else rounds - 1 - j)
+            if not segments:
+                break
+            laid = True
+            for live in self._lay_out(plan, j, segments):
+                joiners.append((live, j))
+        return plan if laid else None
 
-    def _resize(self, rounds_in_flight: int) -> tuple[np.ndarray | None, int]:
-        """Grows the pool to hold the running and waiting requests (up to max_batch), or shrinks it when they
-        fill a quarter of it and nothing is in flight; running rows move to the front on a shrink."""
-        busy = np.flatnonzero(self.owner >= 0)
-        need = min(self.max_batch, len(busy) + len(self.waiting))
-        if need == 0:
-            return None, self.size
-        if need > self.size:
-            new = pool_size(need, self.max_batch)
-            index = np.concatenate([np.arange(self.size), np.full((new - self.size,), self.size)])
-        elif self.shrink and need <= self.size // 4 and rounds_in_flight == 0:
-            new = pool_size(need, self.max_batch)
-            index = np.concatenate([busy, np.full((new - len(busy),), self.size)])
-        else:
-            return None, self.size
-        owner = np.full((new,), -1, np.int64)
-        kept = index < self.size
-        owner[kept] = self.owner[index[kept]]
-        for slot, r in enumerate(owner):
-            if r >= 0:
-                self.requests[int(r)].slot = slot
-        self.owner, self.size = owner, new
-        self._table_changed = True
-        return index.astype(np.int32), new
-
-    def _chunk(self, alone: bool) -> ChunkPlan | None:
-        """The next chunk: up to prefill_chunk tokens of the prefilling sequences (oldest first), then of waiting
-        ones admitted into free slots in line order. Pages: the running rows' next call (at the largest gamma) is
-        kept free first; a prefilling sequence takes its segment's pages beside it; a waiting one is admitted only
-        while its whole prompt and first call fit beside that and every prefilling sequence's rest, so a sequence
-        admitted can always finish its prompt. None when no prompt token can go."""
+    def _segments(self, after: int) -> list[tuple[_Live, int]]:
+        """One forward's segments: up to prefill_chunk tokens of the prefilling sequences (oldest first), then of
+        waiting ones admitted into free slots in line order. Pages: the running rows' next call (at the largest
+        gamma) is kept free first; a prefilling sequence takes its segment's pages beside it; a waiting one is
+        admitted only while its whole prompt and first call fit beside that and every prefilling sequence's rest, so
+        a sequence admitted can always finish its prompt. A sequence whose last segment this is also takes the pages
+        of the `after` rounds it runs in the same call."""
         tail = self.rounds_per_call * (self.max_gamma + 1) + self.scratch
         size = self.pages.page_size
+        reach = after * (self.max_gamma + 1) + (self.scratch if after else 0)  # a joining row's rounds in the call
+
+        def wanted(sequence, end: int) -> int:  # positions to hold once a segment ends at `end`
+            return min(end + reach if end == len(sequence) else end, self.max_len)
+
         reserved = sum(max(self._need(self.requests[r], tail), 0) for r in self._running())
         prefilling = sorted((self.requests[int(r)] for r in self.owner if r >= 0 and not self.requests[int(r)].joined),
                             key=lambda live: live.order)
@@ -385,7 +427,7 @@ class LiveScheduler:
                 break
             sequence, _ = live.sequence()
             take = min(len(sequence) - live.computed, budget)
-            more = pages_for(live.computed + take, size) - len(live.pages)
+            more = max(pages_for(wanted(sequence, live.computed + take), size) - len(live.pages), 0)
             if reserved + more > self.pages.free:
                 continue
             live.pages += self.pages.take(more)
@@ -394,7 +436,7 @@ class LiveScheduler:
         # What the prefilling sequences have yet to take, for their prompts and first calls.
         reserved += sum(max(pages_for(min(len(live.sequence()[0]) + tail, self.max_len), size) - len(live.pages), 0)
                         for live in prefilling)
-        free_slots = list(np.flatnonzero(self.owner < 0))
+        free_slots = self._free_slots()
         while self.waiting and free_slots and budget and len(segments) < self.chunk_sequences:
             live = self.requests[self.waiting[0]]
             sequence, _ = live.sequence()
@@ -405,9 +447,9 @@ class LiveScheduler:
                 break
             start = len(cached) * size
             take = min(len(sequence) - start, budget)
-            taken = pages_for(start + take, size) - len(cached)
+            taken = pages_for(wanted(sequence, start + take), size) - len(cached)
             reserved += whole - taken
-            slot = int(free_slots.pop(0))
+            slot = free_slots.pop(0)
             request_id = self.waiting.popleft()
             self.owner[slot], live.slot = request_id, slot
             live.order, self._admitted = self._admitted, self._admitted + 1
@@ -417,9 +459,7 @@ class LiveScheduler:
                 self.cached_tokens += start
             segments.append((live, take))
             budget -= take
-        if not segments:
-            return None
-        return self._lay_out(segments, alone)
+        return segments
 
     def _cached_prefix(self, live: _Live, sequence: np.ndarray) -> list[int]:
         """The cached pages of the longest prefix of whole pages of `sequence` (held now), leaving at least its last
@@ -446,58 +486,58 @@ class LiveScheduler:
         for page, key in zip(live.pages[:full], self._keys(live, tokens, full)):
             self.pages.keep(page, key)
 
-    def _lay_out(self, segments: list, alone: bool) -> ChunkPlan:
-        """The chunk's arrays for these (sequence, tokens taken) segments, each sequence's progress advanced; a
-        sequence whose last chunk this is joins the pool (its row runs from the next call)."""
-        plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.size, alone,
-                           self.max_len if self.history else 0)
-        tokens, cu, start, table, final, slot, next_token = (plan.tokens, plan.cu, plan.start, plan.table, plan.final,
-                                                              plan.slot, plan.next_token)
-        generated, max_new, stop_ids, owners = plan.generated, plan.max_new, plan.stop_ids, plan.owners
-        settings = [getattr(plan.sampling, f) for f in ("temperature", "top_k", "top_p", "seed")]
+    def _lay_out(self, plan: ChunkPlan, j: int, segments: list) -> list[_Live]:
+        """Round j of the chunk plan for these (sequence, tokens taken) segments, each sequence's progress advanced;
+        returns the sequences whose last chunk this is: they join the pool (their rows run from round j + 1)."""
+        joined = []
         at = 0
         for p, (live, take) in enumerate(segments):
             sequence, resume = live.sequence()
-            tokens[at : at + take] = sequence[live.computed : live.computed + take]
-            start[p], slot[p] = live.computed, live.slot
-            table[p, : len(live.pages)] = live.pages
+            plan.tokens[j, at : at + take] = sequence[live.computed : live.computed + take]
+            plan.start[j, p], plan.slot[j, p] = live.computed, live.slot
+            plan.table[j, p, : len(live.pages)] = live.pages
             live.computed += take
             self._keep(live, sequence, live.computed)
             at += take
-            final[p] = live.computed == len(sequence)
-            next_token[p] = resume if final[p] else sequence[live.computed]
-            generated[p], max_new[p] = len(live.tokens), live.row.max_new[0]
-            stop_ids[p] = live.row.stop_ids[0]
-            for field, values in zip(("temperature", "top_k", "top_p", "seed"), settings):
-                values[p] = getattr(live.row.sampling, field)[0]
-            if final[p]:
+            final = live.computed == len(sequence)
+            plan.final[j, p] = final
+            plan.next_token[j, p] = resume if final else sequence[live.computed]
+            plan.generated[j, p], plan.max_new[j, p] = len(live.tokens), live.row.max_new[0]
+            plan.stop_ids[j, p] = live.row.stop_ids[0]
+            for field in ("temperature", "top_k", "top_p", "seed"):
+                getattr(plan.sampling, field)[j, p] = getattr(live.row.sampling, field)[0]
+            if final:
                 live.joined = True
-                owners[p] = self.owner[live.slot]
+                plan.owners[j, p] = self.owner[live.slot]
                 self._table_changed = True
+                joined.append(live)
                 if plan.history is not None:
-                    plan.history[p, : len(sequence)] = sequence
-            cu[p + 1] = at
-        cu[len(segments) + 1 :] = at
-        return plan
+                    plan.history[j, p, : len(sequence)] = sequence
+            plan.cu[j, p + 1] = at
+        plan.cu[j, len(segments) + 1 :] = at
+        return joined
 
-    def read(self, kind: str, gamma: int, owners: np.ndarray, outputs: np.ndarray,
+    def read(self, kind: str, gamma: int, owners: np.ndarray | None, outputs: np.ndarray,
              chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
-        """The events of one operation's transfer: kind "rounds" ([R, size, ...], then a chunk's [P, ...] rows when
-        chunk_owners is given) or "chunk" ([P, ...]); owners: the request id of each round row when it was
-        dispatched (-1: none), chunk_owners: each chunk segment's whose prompt it ended (-1: none); synced: whether
-        the call left its rows' drafter KV up to date (it drafted, or brought held pairs in), so that their full
-        committed pages may be cached. A recompute's chunk reports nothing."""
+        """The events of one operation's transfer: kind "rounds" ([R, rows + P, ...]: each round's rows, then its
+        chunk's P segments when chunk_owners [R, P] is given; owners [R, rows]: the request id of each row in each
+        round when it was dispatched, -1: none) or "chunk" (a call of its own: [P, ...], chunk_owners [P]);
+        chunk_owners: each segment's request whose prompt it ended (-1: none); synced: whether the call left its
+        rows' drafter KV up to date (it drafted, or brought held pairs in), so that their full committed pages may
+        be cached. A round's rows are read before its chunk's first tokens, which come before the rounds their rows
+        join. A recompute's chunk reports nothing."""
+        if kind == "chunk":
+            return self._read_first_tokens(gamma, chunk_owners, outputs)
+        rows = owners.shape[1]
+        for r in set(owners.ravel().tolist()):
+            live = self.requests.get(r)
+            if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
+                live.unread.popleft()
         events = []
-        if chunk_owners is not None:
-            P = chunk_owners.shape[0]
-            rounds, chunk = (outputs[:-P].reshape(-1, len(owners), outputs.shape[-1]), outputs[-P:]) \
-                if kind == "rounds" else (None, outputs)
-        else:
-            rounds, chunk = outputs, None
-        if rounds is not None:
-            events += self._read_rounds(gamma, owners, rounds, synced)
-        if chunk is not None:
-            events += self._read_first_tokens(gamma, chunk_owners, chunk)
+        for j in range(outputs.shape[0]):
+            events += self._read_round(gamma, owners[j], outputs[j, :rows], synced)
+            if chunk_owners is not None:
+                events += self._read_first_tokens(gamma, chunk_owners[j], outputs[j, rows:])
         return events
 
     def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
@@ -511,31 +551,25 @@ class LiveScheduler:
                                         live.cached_tokens))
         return events
 
-    def _read_rounds(self, gamma: int, owners: np.ndarray, outputs: np.ndarray, synced: bool) -> list[Event]:
+    def _read_round(self, gamma: int, owners: np.ndarray, packed: np.ndarray, synced: bool) -> list[Event]:
         events = []
         speculative = self.speculative
-        for r in set(owners.tolist()):
+        out = RoundOutput.unpack(packed, gamma, self.tree_nodes)
+        if speculative:
+            self.policy.observe(gamma, out)
+        accepted, done = out.accepted.tolist(), out.done.tolist()
+        drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if self.trace and speculative else ((), ())
+        traces = list(zip(drafts, choices))
+        if traces and out.tree is not None:  # a tree's nodes, choices, parents, path
+            traces = list(zip(out.tree[0].tolist(), choices, out.tree[1].tolist(), out.tree[2].tolist()))
+        for row, r in enumerate(owners.tolist()):
             live = self.requests.get(r)
-            if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
-                live.unread.popleft()
-        for packed in list(outputs):
-            out = RoundOutput.unpack(packed, gamma, self.tree_nodes)
-            if speculative:
-                self.policy.observe(gamma, out)
-            accepted, done = out.accepted.tolist(), out.done.tolist()
-            drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if self.trace and speculative else ((), ())
-            traces = list(zip(drafts, choices))
-            if traces and out.tree is not None:  # a tree's nodes, choices, parents, path
-                traces = list(zip(out.tree[0].tolist(), choices, out.tree[1].tolist(), out.tree[2].tolist()))
-            for row, r in enumerate(owners.tolist()):
-                live = self.requests.get(r)
-                if live is None or live.slot < 0 or self.owner[live.slot] != r:
-                    continue
-                new = out.tokens[row]
-                events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
-                                            (self.tree_nodes or gamma) if speculative and new else 0,
-                                            gamma if speculative else None,
-                                            traces[row] if traces else None, synced))
+            if live is None or live.slot < 0 or self.owner[live.slot] != r:
+                continue
+            new = out.tokens[row]
+            events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
+                                        (self.tree_nodes or gamma) if speculative and new else 0,
+                                        gamma if speculative else None, traces[row] if traces else None, synced))
         return events
 
     def _emitted(self, live: _Live, request_id: int, new: list[int], done: bool, accepted: int, drafted: int, gamma,
@@ -557,18 +591,18 @@ class LiveScheduler:
 
 
 def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
-                history: int = 0) -> ChunkPlan:
-    """A chunk of no sequence (nothing is written, nothing joins) of these shapes: tokens [tokens], segments
-    [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size` (none), and histories of
-    `history` tokens (0: none)."""
-    P = sequences
-    settings = SamplingParams(np.zeros((P,), np.float32), np.zeros((P,), np.int32), np.ones((P,), np.float32),
-                              np.zeros((P, 2), np.uint32))
-    return ChunkPlan(np.zeros((tokens,), np.int32), np.zeros((P + 1,), np.int32), np.zeros((P,), np.int32),
-                     np.full((P, width), -1, np.int32), np.zeros((P,), bool), np.full((P,), size, np.int32),
-                     np.full((P,), -1, np.int32), np.zeros((P,), np.int32), np.ones((P,), np.int32),
-                     np.full((P, stop_width), -1, np.int32), settings, np.full((P,), -1, np.int64), alone,
-                     np.zeros((P, history), np.int32) if history else None)
+                history: int = 0, rounds: int = 1) -> ChunkPlan:
+    """Chunks of no sequence (nothing is written, nothing joins) of these shapes, one per round of `rounds`: tokens
+    [tokens], segments [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size`
+    (none), and histories of `history` tokens (0: none)."""
+    R, P = rounds, sequences
+    settings = SamplingParams(np.zeros((R, P), np.float32), np.zeros((R, P), np.int32), np.ones((R, P), np.float32),
+                              np.zeros((R, P, 2), np.uint32))
+    return ChunkPlan(np.zeros((R, tokens), np.int32), np.zeros((R, P + 1), np.int32), np.zeros((R, P), np.int32),
+                     np.full((R, P, width), -1, np.int32), np.zeros((R, P), bool), np.full((R, P), size, np.int32),
+                     np.full((R, P), -1, np.int32), np.zeros((R, P), np.int32), np.ones((R, P), np.int32),
+                     np.full((R, P, stop_width), -1, np.int32), settings, np.full((R, P), -1, np.int64), alone,
+                     np.zeros((R, P, history), np.int32) if history else None)
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
@@ -601,14 +635,19 @@ def _with_settings(row: Request) -> Request:
     return dataclasses.replace(row, sampling=sampling)
 
 
-def pool_size(rows: int, max_batch: int) -> int:
-    """The slots of a pool that holds `rows`: the power of four at or above, at most max_batch. Powers of four
-    keep the compiled pool sizes few (each size compiles its calls of rounds) while a pool pads its live rows
-    at most fourfold, which costs little where decoding reads weights, not rows."""
-    size = 1
-    while size < rows:
-        size *= 4
-    return min(size, max_batch)
+def row_bucket(rows: int, capacity: int) -> int:
+    """The rows a call of `rows` running rows computes: the power of two at or above (at least 1), at most the
+    pool's capacity. Buckets at most 2x apart pad a call by less than its running rows, and keep the compiled calls
+    to one per power of two up to the capacity (Engine.compile compiles them all)."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, capacity)
+
+
+def row_buckets(capacity: int) -> list[int]:
+    """Every bucket a pool of `capacity` slots can run (`row_bucket`'s values)."""
+    return sorted({row_bucket(n, capacity) for n in range(capacity + 1)})
 
 
 def stack(rows: list[Request], num_rows: int, max_len: int) -> Request:

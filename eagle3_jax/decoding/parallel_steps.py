@@ -45,6 +45,14 @@ class Steps:
     new_pages: Callable  # spec_round.new_pages's signature: the zeroed pools on the device(s)
 
 
+def compile_ahead(step: Callable, *args, **kwargs):
+    """Compiles a step (a jitted function, or a partial of one: a mesh's) for these arguments without running it:
+    jit's own cache then holds the executable, so a later call of the same signature compiles nothing."""
+    if isinstance(step, functools.partial):
+        args, kwargs, step = step.args + args, {**step.keywords, **kwargs}, step.func
+    return step.lower(*args, **kwargs).compile()
+
+
 def local_spec(spec: spec_round.StepSpec, tp: int) -> spec_round.StepSpec:
     """The spec each device's shard runs: the per-device target config, and the tp axis."""
     return dataclasses.replace(spec, target=layout.local_config(spec.target, tp), tp=Shards(tp))
@@ -88,7 +96,7 @@ def jit_empty(spec, batch, width, stop_width, dtype, *, mesh):
 
 
 def _chunk_specs(chunk):
-    return None if chunk is None else jax.tree.map(lambda _: P(), chunk)  # a chunk is replicated
+    return None if chunk is None else jax.tree.map(lambda _: P(), chunk)  # chunks are replicated
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "mesh"), donate_argnames=("state",))
@@ -100,11 +108,11 @@ def jit_prefill(tparams, dparams, state, chunk, *, spec, mesh):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "num_rounds", "mesh"), donate_argnames=("state",))
-def jit_rounds(tparams, dparams, state, chunk=None, *, spec, num_rounds, mesh):
+def jit_rounds(tparams, dparams, state, chunks=None, *, spec, num_rounds, mesh):
     fn = functools.partial(spec_round.spec_rounds, spec=spec, num_rounds=num_rounds)
     states = state_specs(spec)
-    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states, _chunk_specs(chunk)), (states, P()))(
-        tparams, dparams, state, chunk)
+    return _mapped(fn, mesh, (*_param_specs(spec, dparams), states, _chunk_specs(chunks)), (states, P()))(
+        tparams, dparams, state, chunks)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",))

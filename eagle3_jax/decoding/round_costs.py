@@ -1,11 +1,12 @@
-"""What one call of rounds costs for each gamma 0 .. G, by batch size and KV length, measured on this device
+"""What one call of rounds costs for each gamma 0 .. G, by its rows and KV length, measured on this device
 and cached on disk: the cost side of the gamma policy (gamma_policy.py).
 
-A table holds, per batch size, the seconds of one call at a few KV lengths (`grid_lengths`), for every
+A table holds, per key (a row bucket, and whether its calls carry a chunk of prompt tokens in every round: the
+engine's keys are "8" and "8+chunks"), the seconds of one call at a few KV lengths (`grid_lengths`), for every
 gamma; between lengths it is interpolated linearly (attention's cost grows about linearly in the length;
 the weights' cost does not move). Gamma 0's entry is the mean over a cycle of gamma_policy.FLUSH_CALLS
-calls, one of which brings the drafter up to date (Engine.time_call). A batch size is measured the first time
-a request runs at it (the engine compiles every gamma of that batch size then anyway), or ahead by
+calls, one of which brings the drafter up to date (Engine.time_call). A key is measured the first time
+a request runs at it (the engine compiles every gamma of that bucket then anyway), or ahead by
 `eagle3-jax bench --calibrate` or Engine.compile.
 
 Where it lives: round_costs/<key>.json beside jax's compilation cache folder (its parent, so
@@ -14,8 +15,8 @@ compilation cache is set. The key hashes everything a call's cost depends on: th
 and drafter configs, dtype, kernels, exact, max_len, sampling build, proposal, the held pairs' room), rounds
 per call, the gammas, the device kind and the jax, jaxlib and eagle3_jax versions. What the key cannot see
 (another process on the GPU, a changed clock or driver) is caught by a spot check: the first use of a stored
-batch size in a process times its costliest entry again, and a result off by more than STALE_RATIO from the
-stored one re-measures that batch size.
+key in a process times its costliest entry again, and a result off by more than STALE_RATIO from the
+stored one re-measures that key.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-STALE_RATIO = 1.25  # a spot check this far off the stored cost (either way) re-measures the batch size
+STALE_RATIO = 1.25  # a spot check this far off the stored cost (either way) re-measures the key
 TIMED_CALLS = 3  # per entry, after one untimed call
 
 
@@ -43,7 +44,7 @@ def margin(rounds_per_call: int, max_gamma: int) -> int:
 
 
 def grid_lengths(max_len: int, room: int) -> list[int]:
-    """The KV lengths a batch size is measured at: short, half and nearly full, each leaving `room`
+    """The KV lengths a key is measured at: short, half and nearly full, each leaving `room`
     positions (`margin`) for what a call's rounds add."""
     top = max(1, max_len - room)
     return sorted({max(1, min(top, x)) for x in (max_len // 16, max_len // 2, top)})
@@ -72,51 +73,51 @@ def default_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3_jax" / "round_costs"
 
 
-TimeCall = Callable[[int, int, int], float]  # (batch, KV length, gamma) -> seconds per call of rounds
+TimeCall = Callable[[str, int, int], float]  # (key, KV length, gamma) -> seconds per call of rounds
 
 
 class RoundCosts:
-    """Seconds per call of rounds for each gamma, by batch size and KV length. What is missing is measured
-    through `time_call(batch, length, gamma)` (the engine's: it runs calls of that gamma on a dummy pool of
-    `batch` rows at that KV length and returns seconds per call)."""
+    """Seconds per call of rounds for each gamma, by key (the calls' rows, and whether they carry prompt tokens) and
+    KV length. What is missing is measured through `time_call(key, length, gamma)` (the engine's: it runs calls of
+    that gamma on a dummy pool's bucket at that KV length and returns seconds per call)."""
 
     def __init__(self, key: str, folder: Path | None, lengths: list[int], num_gammas: int):
         self.path = None if folder is None else Path(folder) / f"{key}.json"
         self.lengths, self.num_gammas = list(lengths), num_gammas
-        self._table: dict[int, np.ndarray] = {}  # batch -> seconds [len(lengths), num_gammas], checked
-        self.measured: list[int] = []  # the batch sizes this object measured (not loaded)
+        self._table: dict[str, np.ndarray] = {}  # key -> seconds [len(lengths), num_gammas], checked
+        self.measured: list[str] = []  # the keys this object measured (not loaded)
 
-    def seconds(self, batch: int, length: float, time_call: TimeCall) -> np.ndarray:
-        """A call's seconds for each gamma [num_gammas] at `batch` rows and KV `length` (interpolated)."""
-        table = self.table(batch, time_call)
+    def seconds(self, key: str, length: float, time_call: TimeCall) -> np.ndarray:
+        """A call's seconds for each gamma [num_gammas] of `key` at KV `length` (interpolated)."""
+        table = self.table(key, time_call)
         return np.array([np.interp(length, self.lengths, table[:, g]) for g in range(self.num_gammas)])
 
-    def table(self, batch: int, time_call: TimeCall) -> np.ndarray:
-        """The seconds [len(lengths), num_gammas] of a batch size: from memory, from disk (spot-checked), or
+    def table(self, key: str, time_call: TimeCall) -> np.ndarray:
+        """The seconds [len(lengths), num_gammas] of a key: from memory, from disk (spot-checked), or
         measured now and stored."""
-        if batch not in self._table:
-            stored = self._load().get(str(batch))
-            fresh = stored is not None and self._fresh(batch, stored, time_call)
-            self._table[batch] = stored if fresh else self._measure(batch, time_call)
-        return self._table[batch]
+        if key not in self._table:
+            stored = self._load().get(key)
+            fresh = stored is not None and self._fresh(key, stored, time_call)
+            self._table[key] = stored if fresh else self._measure(key, time_call)
+        return self._table[key]
 
-    def _fresh(self, batch: int, stored: np.ndarray, time_call: TimeCall) -> bool:
+    def _fresh(self, key: str, stored: np.ndarray, time_call: TimeCall) -> bool:
         """Whether the costliest stored entry still times within STALE_RATIO of what is stored."""
         at, gamma = np.unravel_index(np.argmax(stored), stored.shape)
-        ratio = time_call(batch, self.lengths[at], int(gamma)) / stored[at, gamma]
+        ratio = time_call(key, self.lengths[at], int(gamma)) / stored[at, gamma]
         return 1 / STALE_RATIO <= ratio <= STALE_RATIO
 
-    def _measure(self, batch: int, time_call: TimeCall) -> np.ndarray:
-        table = np.array([[time_call(batch, length, g) for g in range(self.num_gammas)] for length in self.lengths])
-        self.measured.append(batch)
+    def _measure(self, key: str, time_call: TimeCall) -> np.ndarray:
+        table = np.array([[time_call(key, length, g) for g in range(self.num_gammas)] for length in self.lengths])
+        self.measured.append(key)
         if self.path is not None:
-            self._store(batch, table)
+            self._store(key, table)
         return table
 
-    def _store(self, batch: int, table: np.ndarray) -> None:
-        """Adds a batch size's table to the file; a folder that cannot be written leaves it in memory only."""
+    def _store(self, key: str, table: np.ndarray) -> None:
+        """Adds a key's table to the file; a folder that cannot be written leaves it in memory only."""
         stored = self._load()
-        stored[str(batch)] = table
+        stored[key] = table
         document = {"lengths": self.lengths, "seconds": {b: t.tolist() for b, t in stored.items()}}
         temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
         try:
@@ -127,7 +128,7 @@ class RoundCosts:
             return
 
     def _load(self) -> dict[str, np.ndarray]:
-        """The stored tables by batch size; a missing, unreadable or differently shaped file holds none."""
+        """The stored tables by key; a missing, unreadable or differently shaped file holds none."""
         if self.path is None or not self.path.exists():
             return {}
         try:

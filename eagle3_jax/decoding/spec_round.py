@@ -155,19 +155,20 @@ def _emitted(spec: StepSpec, done, stop_ids, budget, new_tokens, num_new, new_le
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Prompt tokens a call prefills, beside its rounds (they ride in its first round's target forward) or alone:
-    up to C tokens of up to P sequences, packed. Segment p holds tokens cu[p] .. cu[p + 1] - 1, its sequence's
-    positions start[p] onwards, written into the pages of table[p]. A sequence longer than a chunk goes on in the
-    next call's, after what this one wrote. A final segment ends its sequence's prompt: its row (its settings
-    below) joins the pool at slot[p] when the call ends, with its first token drawn from the segment's last
-    position, or, for a sequence a preemption put back, its resume token (nothing drawn or emitted)."""
+    """Prompt tokens one target forward prefills, beside a round's rows (a mixed call: one chunk per round, every
+    array with a leading rounds axis) or alone (`prefill`): up to C tokens of up to P sequences, packed. Segment p
+    holds tokens cu[p] .. cu[p + 1] - 1, its sequence's positions start[p] onwards, written into the pages of
+    table[p]. A sequence longer than a chunk goes on in the next one's, after what this one wrote. A final segment
+    ends its sequence's prompt: its row (its settings below) joins the pool at slot[p] once the chunk has run,
+    with its first token drawn from the segment's last position, or, for a sequence a preemption put back, its
+    resume token (nothing drawn or emitted)."""
 
     tokens: jax.Array  # [C] int32
     cu: jax.Array  # [P + 1] int32: segment offsets in tokens (a segment of no sequence: empty)
     start: jax.Array  # [P] int32
     table: jax.Array  # [P, W] int32: -1 past each sequence's pages
     final: jax.Array  # [P] bool
-    slot: jax.Array  # [P] int32: the slot a final segment's row takes (the pool's size: none)
+    slot: jax.Array  # [P] int32: the slot a final segment's row takes (a position in the call's rows; B: none)
     # [P] int32: the token after the segment's last: the prompt's next (not final), the resume token x_n of a
     # recompute (final), or -1 (final: the first token is drawn)
     next_token: jax.Array
@@ -226,8 +227,9 @@ def with_pages(rows: DecodeState, pages: tuple[KVPages, KVPages | None]) -> Deco
 
 
 def prefill(tparams, dparams, state: DecodeState, chunk: Chunk, *, spec: StepSpec):
-    """A call of the chunk alone (exact engines prefill so, and a pool with no running row): its target forward,
-    then `admit` -> (state, the chunk's output packed [P, width])."""
+    """A call of the chunk alone, over every slot (an exact engine prefills so: its kernels' results must not
+    depend on rows beside the chunk): its target forward, then `admit` -> (state, the chunk's output packed
+    [P, width])."""
     hidden, target_pages, features = target_lib.forward(tparams, spec.target, chunk.tokens[None], state.target_pages,
                                                         chunk.layout, spec.capture_layers, spec.kernels, spec.tp)
     state = dataclasses.replace(state, target_pages=target_pages)
@@ -434,68 +436,69 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     return new_state, packed, features, chunk_out
 
 
-def spec_rounds(tparams, dparams, state: DecodeState, chunk: Chunk | None = None, *, spec: StepSpec,
+def spec_rounds(tparams, dparams, state: DecodeState, chunks: Chunk | None = None, *, spec: StepSpec,
                 num_rounds: int):
-    """num_rounds rounds in one call, as a lax.scan: (state, packed outputs [num_rounds, B, 2 gamma + 6]
-    (round_output.py)).
+    """num_rounds rounds in one call, as a lax.scan -> (state, packed outputs [num_rounds, B + P, 2 gamma + 6]
+    (round_output.py): each round's B rows, then its chunk's P segments). The state's rows are the call's row bucket
+    (the running rows, the rows its chunks join, and free slots to fill the bucket: slots.take gathers them from the
+    pool's slots, so one compilation serves every pool of the bucket's size or more).
     A call costs 0.2-0.3 ms beyond its kernels on the H200 (the graph launch, PJRT's bookkeeping), paid
     once per call; XLA runs the scan's rounds back to back on the device (BENCHMARKS.md, design decisions).
     Rounds after a row is done leave it unchanged, as a single round does.
-    With gamma 0 and a proposer that reads features the rounds are plain steps: their pairs join the held
+    With gamma 0 and a proposer that reads features the rounds are plain steps: each round's pair joins the held
     ones, and a flushing call (`StepSpec.flush`) then brings the proposer up to date over all of them
     (`_catch_up`).
-    With a chunk (a mixed step), its prompt tokens ride in the first round's target forward, and its final
-    segments' rows join the pool when the call ends (`admit`), for the next call's rounds: the packed outputs are
-    then [num_rounds * B + P, width], the rounds' rows and then the chunk's."""
-    rounds, held = num_rounds, spec.gamma == 0 and proposer_lib.holds_pairs(spec.proposer)
+    chunks (a mixed call): a Chunk whose every array has a leading axis of num_rounds; round r's prompt tokens ride
+    in round r's target forward (one read of the weights for both), and its final segments' rows join their slots
+    (rows of the state) when round r ends (`admit`): a prompt whose last chunk runs in round r runs rounds r + 1
+    onwards of the same call."""
+    held = spec.gamma == 0 and proposer_lib.holds_pairs(spec.proposer)
     if held and spec.held < num_rounds:
         raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
                          f"must be at least that, got {spec.held}")
-    first = None
-    if chunk is not None:  # the first round, mixed; the scan runs the others
-        after, first_packed, first_features, chunk_out = _round(tparams, dparams, state, spec, chunk)
-        first, rounds = (after, first_packed, first_features), num_rounds - 1
-    end, packed = _rounds(tparams, dparams, state, first, spec, rounds, held)
-    if chunk is None:
-        return end, packed
-    end, chunk_packed = admit(tparams, dparams, end, chunk, *chunk_out, spec)
-    return end, jnp.concatenate([packed.reshape(-1, packed.shape[-1]), chunk_packed])
+    return _rounds(tparams, dparams, state, chunks, spec, num_rounds, held)
 
 
-def _rounds(tparams, dparams, state: DecodeState, first, spec: StepSpec, rounds: int, held: bool):
-    """spec_rounds' rounds from `state`: `first` (None, or the state, packed output and features a mixed round
-    already ran) and then `rounds` more, scanned."""
-    start = state if first is None else first[0]
-    if not held:
-        end, packed = jax.lax.scan(lambda s, _: spec_round(tparams, dparams, s, spec=spec), start, None, length=rounds)
-        return end, packed if first is None else jnp.concatenate([first[1][None], packed])
+def _rounds(tparams, dparams, state: DecodeState, chunks, spec: StepSpec, rounds: int, held: bool):
+    """spec_rounds' rounds: each round (and its chunk, if any), scanned; a holding call's
+    pairs written into `held` as they commit, and brought into the proposer at the end of a flushing one."""
+    B = state.done.shape[0]
 
-    def plain(s, _):
-        new, packed, features, _ = _round(tparams, dparams, s, spec)
-        return new, (packed, features[:, 0], new.last_token)
+    def one(carry, chunk):
+        s, touched = carry
+        new, packed, features, chunk_out = _round(tparams, dparams, s, spec, chunk)
+        if held:
+            new = _hold(s, new, features)
+        if chunk is not None:
+            new, chunk_packed = admit(tparams, dparams, new, chunk, *chunk_out, spec)
+            packed = jnp.concatenate([packed, chunk_packed])
+        return (new, touched | ~new.done), packed
 
-    end, (packed, features, tokens) = jax.lax.scan(plain, start, None, length=rounds)
-    if first is not None:
-        packed = jnp.concatenate([first[1][None], packed])
-        features = jnp.concatenate([first[2][None, :, 0], features])
-        tokens = jnp.concatenate([first[0].last_token[None], tokens])
-    num_rounds = packed.shape[0]
-    behind = state.lengths - state.draft_lengths  # [B] pairs held before this call
-    rows = jnp.arange(behind.shape[0])[:, None]
-    at = behind[:, None] + jnp.arange(num_rounds)[None, :]  # a frozen row's extra pairs land past its count
-    held = HeldPairs(state.held.features.at[rows, at].set(jnp.swapaxes(features, 0, 1), mode="drop"),
-                     state.held.tokens.at[rows, at].set(tokens.T, mode="drop"))
-    end = dataclasses.replace(end, held=held)
-    return _catch_up(tparams, dparams, end, packed, ~state.done, spec) if spec.flush else (end, packed)
+    (end, touched), packed = jax.lax.scan(one, (state, ~state.done), chunks, length=rounds)
+    if held and spec.flush:
+        return _catch_up(tparams, dparams, end, packed, touched, B, spec)
+    return end, packed
 
 
-def _catch_up(tparams, dparams, state: DecodeState, packed, live, spec: StepSpec):
+def _hold(old: DecodeState, new: DecodeState, features) -> DecodeState:
+    """A plain round's pair (g_n, x_{n+1}) (features [B, 1, C] of x_n, the new last token) held at index
+    lengths - draft_lengths of each row (its held count before the round). A frozen row's write lands past its
+    count (it committed nothing), where nothing reads it."""
+    at = old.lengths - old.draft_lengths
+    rows = jnp.arange(at.shape[0])
+    return dataclasses.replace(new, held=HeldPairs(new.held.features.at[rows, at].set(features[:, 0], mode="drop"),
+                                                   new.held.tokens.at[rows, at].set(new.last_token, mode="drop")))
+
+
+def _catch_up(tparams, dparams, state: DecodeState, packed, live, rows: int, spec: StepSpec):
     """The proposer's rebuild over every held pair, in one pass (for EAGLE-3, its weights are read once per flush
-    instead of once per round). The same pass gives each held round's would-be first draft d_1; the last round's
-    shadow columns count, per row, the held pairs whose token equals it (a sampled row's token equals an argmax
-    draft d with probability p(d), the chance the round would have accepted it) and the held pairs."""
+    instead of once per round), for the rows `live` [B] at some point of the call (their pages are theirs until the
+    host reads it). The same pass gives each held round's would-be first draft d_1; the last round's shadow columns
+    (of its `rows` rows in packed [R, rows + P, width]) count, per row, the held pairs whose token equals it (a
+    sampled row's token equals an argmax draft d with probability p(d), the chance the round would have accepted
+    it) and the held pairs."""
     count = state.lengths - state.draft_lengths  # [B] held pairs
     caught_up, matched = spec.proposer.catch_up(dparams, tparams, state, state.held, live, spec)
     valid = jnp.arange(spec.held)[None, :] < count[:, None]
     shadow = jnp.stack([jnp.sum(matched & valid, axis=1), count], axis=1).astype(jnp.int32)
-    return caught_up, packed.at[-1, :, -2:].set(shadow)
+    return caught_up, packed.at[-1, :rows, -2:].set(shadow)

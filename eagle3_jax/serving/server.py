@@ -88,7 +88,8 @@ def serve(args) -> int:
     drafter = eagle3_jax.load_drafter(proposer, target, dtype=dtype) if isinstance(proposer, str) else proposer
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                max_batch=args.max_batch, max_draft_tokens=args.max_draft_tokens, mesh=mesh,
-                               kv_tokens=args.kv_tokens, page_size=args.page_size, draft_depth=args.draft_depth,
+                               kv_tokens=args.kv_tokens, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                               rounds_per_call=args.rounds_per_call, draft_depth=args.draft_depth,
                                draft_top_k=args.draft_top_k)
     pool = LivePool(engine)
     try:
