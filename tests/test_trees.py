@@ -300,7 +300,7 @@ def test_the_trace_and_the_usage_counts(ladder):
         for depth, node in enumerate(trace.path):
             assert trace.parents[node - 1] == (trace.path[depth - 1] if depth else 0)
             assert trace.drafted[node - 1] == trace.target[depth]
-    pool = LivePool(engine, max_batch=2, shrink=False)  # the stop width of generate's requests: their programs
+    pool = LivePool(engine, max_batch=2)  # the stop width of generate's requests: their programs
     try:
         done = threading.Semaphore(0)
         for prompt in PROMPTS[:2]:
