@@ -397,6 +397,25 @@ def test_kernel_on_a_hopper_gpu_at_qwen3_8b_heads(case, dtype):
     check(out, paged_attention_reference(*args, scale=128**-0.5), args[5], jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run: pytest -m gpu on one)")
+def test_a_tree_mask_on_a_hopper_gpu_at_qwen3_8b_heads():
+    """The compiled kernel with a tree mask: a 33-node verify over 1k keys (three tiles), a drafter's step of 8
+    beams over a 48-slot region, a decode, with the default splits and one; against the dense reference."""
+    from eagle3_jax.models.kernels import hopper
+
+    if not hopper():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+    q_lens, kv_lens, starts = [33, 8, 1], [1057, 340, 20], [1024, 300, 20]
+    args = ragged_batch(9, q_lens, kv_lens, K=8, G=4, H=128, page_size=64, dtype=jnp.bfloat16)
+    tree = tree_masks(10, q_lens, kv_lens, starts, args[0].shape[0])
+    ref = paged_attention_reference(*args, scale=128**-0.5, tree_start=tree[0], tree_bits=tree[1])
+    for tuning in ({}, {"num_splits": 1}):
+        out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=33, tree_start=tree[0], tree_bits=tree[1],
+                                     **tuning)
+        check(out, ref, args[5], jnp.bfloat16)
+
+
 @pytest.mark.parametrize("on_hopper,kernels,dtype,expected", [
     (True, "pallas", jnp.bfloat16, "kernel"),
     (True, "pallas_attention", jnp.float16, "kernel"),
