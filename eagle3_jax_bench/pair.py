@@ -103,6 +103,8 @@ def trees(target, drafter, prompts, max_new, stops, gammas, shapes, temperatures
                 row["same_tokens_as_first"] = tokens == first
             rows.append(row)
             print(json.dumps(row), flush=True)
+            del engine, results
+            jax.clear_caches()  # each engine's programs keep memory mappings: a long sweep would run out of them
     for row in rows:
         chain = [r for r in rows if r["temperature"] == row["temperature"] and r["draft_top_k"] == 1
                  and r["draft_depth"] == row["draft_depth"] and r["tau"]]
