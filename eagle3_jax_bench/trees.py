@@ -10,8 +10,8 @@ rounds to a call, random bf16 weights, KV length 1024, greedy), built from a Ste
 (dense.spec_rounds). A tree's round drafts D steps of K beams (K tokens a row per drafter forward), verifies N + 1
 tokens under the tree mask and copies its accepted path's KV into place; its cost over the chain of the same depth
 is the first figure to read, and it grows with the batch (verification then reads tokens, not only weights).
-The taus (DEMO_TAUS) are the demo pair's on the CPU (BENCHMARKS.md (i2): eagle3_jax_bench/pair.py --trees,
-float32, 24 held-out prompts, 96 new tokens, max_batch 8); a random-weight round's acceptance is not the point.
+The taus (DEMO_TAUS) are the demo pair's on the CPU (BENCHMARKS.md (i): eagle3_jax_bench/pair.py --trees, float32,
+24 held-out prompts, 96 new tokens, max_batch 8); a random-weight round's acceptance is not the point.
 --tiny runs the tiny preset with small trees (a CPU dry run).
 """
 
@@ -30,18 +30,16 @@ from eagle3_jax.models import kernels as kernels_lib
 from . import dense
 from .core import Run, versions
 
-# (chain depth, trees of that depth as (N, D, K)): the issue's shapes and the best measured at each depth.
-CONFIGS = ((3, ()), (4, ((8, 4, 2), (16, 4, 4))), (5, ((16, 5, 4),)), (7, ((24, 7, 4), (32, 7, 6))))
+# (chain depth, trees of that depth as (N, D, K)): the shapes measured on the demo pair.
+CONFIGS = ((3, ()), (4, ((8, 4, 2), (16, 4, 4))), (5, ((16, 5, 4),)), (7, ((24, 7, 4), (32, 7, 6), (32, 7, 8))))
 TINY_CONFIGS = ((2, ((4, 2, 2),)),)
-# The demo pair's taus (greedy, sampled at temperature 0.7) per configuration: ("chain", gamma) or ("tree", N, D, K);
-# BENCHMARKS.md (i2) records the run that measured them.
+# The demo pair's taus (greedy, sampled at temperature 0.7) per configuration: ("chain", gamma) or ("tree", N, D, K),
+# measured on the CPU (BENCHMARKS.md (i), docs/demo.md: `python -m eagle3_jax_bench.pair --trees`).
 DEMO_TAUS = {
-    ("chain", 3): (3.08, 2.24), ("chain", 4): (3.49, 2.39), ("chain", 5): (3.85, 2.52), ("chain", 7): (4.60, 2.57),
-    ("tree", 8, 4, 2): (3.95, 2.96), ("tree", 16, 4, 4): (4.22, 3.12), ("tree", 16, 5, 4): (4.52, 3.24),
-    ("tree", 24, 7, 4): (5.13, 3.51), ("tree", 32, 7, 6): (5.24, 3.75),
+    ("chain", 3): (3.08, 2.24), ("chain", 4): (3.56, 2.25), ("chain", 5): (3.85, 2.52), ("chain", 7): (4.60, 2.57),
+    ("tree", 8, 4, 2): (3.83, 2.83), ("tree", 16, 4, 4): (4.09, 2.98), ("tree", 16, 5, 4): (4.51, 3.24),
+    ("tree", 24, 7, 4): (5.35, 3.87), ("tree", 32, 7, 6): (5.52, 3.75), ("tree", 32, 7, 8): (5.48, 3.60),
 }
-
-
 # The dry run's taus are made up: it checks the arithmetic, not a drafter.
 TINY_TAUS = {("chain", 2): (2.0, 1.5), ("tree", 4, 2, 2): (2.5, 2.0)}
 

@@ -145,7 +145,7 @@ def test_pair_bench_dry_run(tmp_path):
 def test_a_draft_tree_beats_the_chain_of_its_depth(tmp_path):
     """The pair bench's tree section (`--trees`) on the first 8 held-out prompts, 32 new tokens, greedy: a (16, 5, 4)
     tree's output is spec-off's and the depth-5 chain's, and its tau beats the chain's (BENCHMARKS.md (i) has the
-    issue's conditions)."""
+    figures on 24 prompts of 96 tokens, greedy and sampled)."""
     assert pair_bench.main(["--out", str(tmp_path), "--trees", "--dtype", "float32", "--gammas", "0", "5",
                             "--tree-shapes", "16,5,4", "--held-out", "8", "--max-new-tokens", "32",
                             "--temperatures", "0"]) == 0
