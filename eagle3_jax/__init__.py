@@ -14,12 +14,13 @@ from eagle3_jax.checkpoints.drafter import Drafter, convert_drafter, load_drafte
 from eagle3_jax.checkpoints.target import Target, convert, load_target
 from eagle3_jax.decoding.engine import Engine, Result
 from eagle3_jax.decoding.prompt_lookup import PromptLookup
+from eagle3_jax.decoding.structured import Structured
 from eagle3_jax.errors import CheckpointError
 from eagle3_jax.models.config import Qwen3Config
 
 __all__ = [
-    "CheckpointError", "Drafter", "Engine", "PromptLookup", "Qwen3Config", "Result", "Target", "TrainConfig",
-    "convert", "convert_drafter", "load_drafter", "load_target", "train_drafter",
+    "CheckpointError", "Drafter", "Engine", "PromptLookup", "Qwen3Config", "Result", "Structured", "Target",
+    "TrainConfig", "convert", "convert_drafter", "load_drafter", "load_target", "train_drafter",
 ]
 _TRAINING = ("TrainConfig", "train_drafter")
 

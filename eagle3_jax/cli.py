@@ -16,6 +16,7 @@ from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.decoding import engine_args
 from eagle3_jax.decoding.engine import CPU_PREFILL_CHUNK, DEFAULT_EXACT, PREFILL_CHUNK, ROUNDS_PER_CALL
 from eagle3_jax.decoding.engine_args import DEFAULT_MAX_LEN, DEFAULT_PROPOSAL, PROPOSALS
+from eagle3_jax.decoding.request import check_room
 from eagle3_jax.models.kernels import CHOICES as KERNEL_CHOICES
 
 MAX_LEN_HELP = f"a sequence's capacity, prompt + output (default: min({DEFAULT_MAX_LEN}, the model's limit))"
@@ -23,12 +24,16 @@ PREFILL_CHUNK_HELP = (f"the most prompt tokens one target forward (each round of
                       f"{PREFILL_CHUNK} on a GPU, {CPU_PREFILL_CHUNK} on the CPU)")
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
+def _ids(flag: str):
+    """The parser of a flag of token ids, its errors naming the flag."""
+    def parse(text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.replace(",", " ").split()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be integers separated by commas or spaces, got {text!r}") from None
+
+    return parse
 
 
 def _num_draft_tokens(text: str):
@@ -170,6 +175,15 @@ def _generate(args) -> int:
                                prefill_chunk=args.prefill_chunk, draft_depth=args.draft_depth,
                                draft_top_k=args.draft_top_k)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
+    vocab = target.config.vocab_size
+    if args.stop_ids and not all(0 <= t < vocab for t in args.stop_ids):
+        bad = next(t for t in args.stop_ids if not 0 <= t < vocab)
+        raise SystemExit(f"error: --stop-ids has {bad}, outside the vocabulary [0, {vocab})")
+    try:  # refused as the server refuses it, not cut at --max-len
+        check_room(len(prompt), args.max_new_tokens, engine.max_len, "--max-new-tokens",
+                   f"--max-len {engine.max_len}{'' if args.max_len else ' (the default)'}")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     # Compile prefill and the round outside the timing (the same build: greedy or sampling).
     engine.generate([prompt], max_new_tokens=2, **settings)
     start = time.perf_counter()
@@ -277,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proposer_args(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (needs the target folder's tokenizer)")
-    source.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. '1,2,3'")
+    source.add_argument("--prompt-ids", type=_ids("--prompt-ids"), help="prompt token ids, e.g. '1,2,3'")
     gen.add_argument("--chat", action="store_true", help="render --prompt with the tokenizer's chat template")
     gen.add_argument("--thinking", action=argparse.BooleanOptionalAction,
                      help="with --chat: the template's enable_thinking (Qwen3); default: the template's own")
@@ -294,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --num-draft-tokens auto: the largest gamma it may pick (default 3)")
     add_tree_args(gen)
     gen.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
-    gen.add_argument("--stop-ids", type=_parse_ids, help="stop token ids (default: the tokenizer's eos)")
+    gen.add_argument("--stop-ids", type=_ids("--stop-ids"), help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                      help="the weights' dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     gen.add_argument("--show-special-tokens", action="store_true",

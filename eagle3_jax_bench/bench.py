@@ -13,7 +13,7 @@ synchronised with block_until_ready; random data, never zeros; functions are com
 timed region (`lower().compile()`), so nothing can recompile inside it. Spec-off steps and whole rounds
 are timed as the engine runs them, `--rounds-per-call` rounds to a call, and reported per round.
 
-This module is the command line and the summary; the rows are dense.py's, moe.py's, sampling.py's and
+This module is the command line and the summary; the rows are dense.py's, moe.py's, sampling.py's, outputs.py's and
 checks.py's.
 """
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
 from eagle3_jax.models import kernels as kernels_lib
 
-from . import auto_gamma, checks, dense, moe, planted, sampling
+from . import auto_gamma, checks, dense, moe, outputs, planted, sampling
 from .core import Run, versions
 
 
@@ -64,6 +64,7 @@ def summary(results: dict) -> str:
     if "peer" in results:
         lines.append(f"peer: {results['peer']['name']}: {results['peer']['tokens_per_s']:.1f} tok/s")
     lines += sampling.summary_lines(results)
+    lines += outputs.summary_lines(results)
     if results["skipped"]:
         lines.append(f"skipped for time: {', '.join(results['skipped'])}")
     return "\n".join(lines)
@@ -103,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampling-only", action="store_true",
                         help="only a sampled round against a greedy round (batch 1, 8 and 32; spec off and gamma 3) "
                              "and the filters")
+    parser.add_argument("--outputs-only", action="store_true",
+                        help="only what logprobs and penalties cost a call of rounds (batch 1 and 32; spec off and "
+                             "gamma 3; eagle3_jax_bench/outputs.py)")
     parser.add_argument("--variants-only", action="store_true",
                         help="only the ceilings and the decode-step breakdown (batch 1, first KV length)")
     parser.add_argument("--variants-at", type=int, nargs=2, action="append", metavar=("BATCH", "KV"),
@@ -178,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             for gamma in (0, 3):
                 if run.time_left(f"sampling b{batch} g{gamma}"):
                     sampling.sampling(run, s, batch, gamma, kernels[0])
+    elif args.outputs_only:
+        s = dataclasses.replace(s, plan=dataclasses.replace(plan, reps=7, inner=5))
+        for batch in dict.fromkeys((plan.batches[0], plan.batches[-1])):
+            for gamma in (0, 3):
+                if run.time_left(f"outputs b{batch} g{gamma}"):
+                    outputs.outputs(run, s, batch, gamma, kernels[0])
     elif args.variants_only:
         run.ceilings(plan.copy_bytes, plan.matmul_n)
         for choice in kernels:

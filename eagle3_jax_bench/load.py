@@ -11,11 +11,13 @@ import random
 import time
 
 
-async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, logprobs: int | None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     sent = time.perf_counter()
-    chunks, text, usage, reason = [], [], None, None
+    chunks, text, usage, reason, scored = [], [], None, None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -28,12 +30,15 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int)
                 if choice["text"]:
                     chunks.append(time.perf_counter())
                     text.append(choice["text"])
+                if choice.get("logprobs"):
+                    scored += len(choice["logprobs"]["token_logprobs"])
                 reason = choice["finish_reason"] or reason
-    return {"sent": sent, "chunks": chunks, "text": "".join(text), "usage": usage, "finish_reason": reason}
+    return {"sent": sent, "chunks": chunks, "text": "".join(text), "usage": usage, "finish_reason": reason,
+            "logprobs": scored}
 
 
 async def _run(url: str, model: str, requests: list[tuple[list[int], int]], users: int, think_s: float,
-               seed: int) -> list[dict]:
+               seed: int, logprobs: int | None) -> list[dict]:
     import httpx
 
     queue = list(enumerate(requests))
@@ -44,7 +49,7 @@ async def _run(url: str, model: str, requests: list[tuple[list[int], int]], user
         async def user():
             while queue:
                 i, (prompt, max_tokens) = queue.pop(0)
-                results[i] = await _one(client, url, model, prompt, max_tokens)
+                results[i] = await _one(client, url, model, prompt, max_tokens, logprobs)
                 if think_s > 0:
                     await asyncio.sleep(rng.expovariate(1 / think_s))
 
@@ -53,6 +58,7 @@ async def _run(url: str, model: str, requests: list[tuple[list[int], int]], user
 
 
 def run_load(url: str, model: str, requests: list[tuple[list[int], int]], users: int, think_s: float,
-             seed: int = 0) -> list[dict]:
-    """Every request's send time, chunk arrival times, text, usage and finish reason, in request order."""
-    return asyncio.run(_run(url, model, requests, users, think_s, seed))
+             seed: int = 0, logprobs: int | None = None) -> list[dict]:
+    """Every request's send time, chunk arrival times, text, usage, finish reason and the tokens whose logprobs came
+    back (with `logprobs`: each request asks for them, that many alternatives a token), in request order."""
+    return asyncio.run(_run(url, model, requests, users, think_s, seed, logprobs))

@@ -11,6 +11,8 @@ import tempfile
 
 import jax
 
+from eagle3_jax.decoding.warm_start import BACKEND_COMPILE_EVENT
+
 
 def gpu_events(run) -> list[tuple[str, float, float]]:
     """(kernel name, start us, duration us) of every GPU kernel one run() launched, from a jax.profiler trace,
@@ -136,7 +138,6 @@ class count_compilations(contextlib.ContextDecorator):
         return False
 
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 
 
 def _bare(fun_name: str) -> str:

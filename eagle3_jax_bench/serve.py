@@ -3,6 +3,7 @@ on a planted-acceptance world (planted_world.py) at a preset's shapes.
 
     python -m eagle3_jax_bench.serve --out DIR [--model qwen3-8b] [--users 1 4 16 64] [--requests 8 32 128 512]
         [--lengths 128 2048] [--budgets 64 512] [--tau 3] [--max-gamma 3] [--think-s 0.05] [--budget-s 1e9]
+        [--logprobs K]
     python -m eagle3_jax_bench.serve --out DIR --dry-run     (the tiny preset on the CPU, a few requests)
 
 The table's columns: output tokens/s, TTFT and inter-chunk latency p50/p99 (ms), the mean request's decode
@@ -25,6 +26,8 @@ tokens/s, and at 1 user that against Engine.generate's.
 * one_user_vs_generate: at 1 user, the mean over requests of that decode speed against `Engine.generate`'s
   batch-1 tokens/s on the same prompt and budget, on an engine of the same configuration in this process with KV
   for one sequence and no prefix cache (goal: >= 0.95, i.e. HTTP, JSON and detokenization cost under 5%).
+* --logprobs K: every request asks for each token's logprob and its K most likely alternatives (the build with
+  logprobs, and their JSON), and so does the Engine.generate it is compared with (goal: still >= 0.95).
 512 requests at every level make a long run: at 1 user the workload's 147k output tokens take about
 5 minutes at spec "auto"'s 477 tokens/s and 11 at spec off's 216, so the defaults scale the requests with the
 users (--requests).
@@ -128,19 +131,19 @@ def summary(results: list[dict], requests, world) -> dict:
             "outputs_follow_f": follow}
 
 
-def generate_speeds(engine, requests) -> list[float]:
+def generate_speeds(engine, requests, logprobs: int | None = None) -> list[float]:
     """Engine.generate's batch-1 tokens/s per request (compiled by a first call of each), on an engine of the
     served one's configuration with KV for one sequence of its own (the served engine's pages are the server's)
-    and no prefix cache (the compiling call's prompt would serve the timed one)."""
+    and no prefix cache (the compiling call's prompt would serve the timed one); with `logprobs`, asking for them."""
     engine = eagle3_jax.Engine(engine.target, engine.drafter, num_draft_tokens="auto" if engine.auto else
                                engine.num_draft_tokens or 1, max_draft_tokens=engine.num_draft_tokens if engine.auto
                                else None, max_len=engine.max_len, max_batch=1, kv_tokens=engine.max_len,
                                page_size=engine.page_size, prefix_caching=False)
     speeds = []
     for prompt, max_tokens in requests:
-        engine.generate([prompt], 2, progress=False)
+        engine.generate([prompt], 2, progress=False, logprobs=logprobs)
         start = time.perf_counter()
-        (result,) = engine.generate([prompt], max_tokens, progress=False)
+        (result,) = engine.generate([prompt], max_tokens, progress=False, logprobs=logprobs)
         speeds.append(len(result.token_ids) / (time.perf_counter() - start))
     return speeds
 
@@ -160,14 +163,16 @@ def measure(run: Run, w, mode: str, engine, server: Serving, users: int, count: 
     start = time.perf_counter()
     warm = [(p, min(m, 4)) for p, m in workload(w.world, WARM_UP_PER_USER * users, args.lengths, args.budgets,
                                                  seed=users + WARM_UP_SEED)]
-    client.submit(load.run_load, server.url, "bench", warm, users, 0.0).result()
+    client.submit(load.run_load, server.url, "bench", warm, users, 0.0, 0, args.logprobs).result()
     warm_s = time.perf_counter() - start
     with count_compilations() as compiles:  # a shape the warm-up pass did not meet compiles here
-        results = client.submit(load.run_load, server.url, "bench", requests, users, args.think_s).result()
-    row = {"mode": mode, "users": users, "warm_up_s": warm_s, "compilations": compiles.count,
-           **summary(results, requests, w.world)}
+        results = client.submit(load.run_load, server.url, "bench", requests, users, args.think_s, 0,
+                                args.logprobs).result()
+    row = {"mode": mode, "users": users, "logprobs": args.logprobs, "warm_up_s": warm_s,
+           "compilations": compiles.count, **summary(results, requests, w.world),
+           "scored_tokens": sum(r["logprobs"] for r in results)}
     if users == 1:
-        base = generate_speeds(engine, requests)
+        base = generate_speeds(engine, requests, args.logprobs)
         row["generate_tokens_per_s_mean"] = float(np.mean(base))
         row["one_user_vs_generate"] = float(np.mean(np.array(row["request_speeds"]) / np.array(base)))
     shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "request_speeds"}
@@ -199,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=0.05, help="mean think time between a user's requests")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--budget-s", type=float, default=1e9, help="no new measurement starts after this many s")
+    parser.add_argument("--logprobs", type=int, help="every request asks for logprobs with this many alternatives")
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset, two levels of a few requests")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--requests needs one positive count per level of --users")
     if min(args.lengths + args.budgets) < 1 or args.lengths[0] > args.lengths[1] or args.budgets[0] > args.budgets[1]:
         parser.error("--lengths and --budgets are positive ranges LOW HIGH")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        parser.error(f"--logprobs must be in [0, 20], got {args.logprobs}")
     run = Run(args.budget_s, args.out, "serve_bench.json")
     run.record("versions", versions())
     plan = planted.Plan(args.model, "independent", (), (args.tau,), (0, args.max_gamma), args.lengths[1],

@@ -13,6 +13,7 @@ os.environ["EAGLE3_JAX_COMPILE_CACHE"] = ""
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: numerical checks at real shapes on a GPU (pytest -m gpu)")
+    config.addinivalue_line("markers", "lm_eval: lm-evaluation-harness against the server (the lm-eval extra)")
     if config.option.markexpr != "gpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         # The CPU suite's time is mostly XLA compiling tiny programs; without its optimisation passes it
@@ -22,6 +23,42 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
+    if os.environ.get(PROGRAM_TABLE):
+        jax.monitoring.register_event_duration_secs_listener(_count_program)
+
+
+# The programs each test file compiles (jax's monitoring events: backend compilations, and the seconds of those and
+# of tracing and lowering), appended as JSON lines to the file $EAGLE3_JAX_PROGRAM_TABLE names when it is set, one
+# per file and process (tools/program_table.py sums them into tests/README.md's table).
+PROGRAM_TABLE = "EAGLE3_JAX_PROGRAM_TABLE"
+_EVENTS = {"/jax/core/compile/backend_compile_duration": "compile_s",
+           "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s"}
+_programs: dict[str, dict[str, float]] = {}
+_current = ["(session)"]
+
+
+def _count_program(event: str, duration: float, **kwargs) -> None:
+    column = _EVENTS.get(event)
+    if column is not None:
+        counts = _programs.setdefault(_current[0], {"programs": 0, "compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0})
+        counts[column] += duration
+        counts["programs"] += column == "compile_s"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current[0] = item.location[0]
+    return (yield)
+
+
+def pytest_sessionfinish(session):
+    if os.environ.get(PROGRAM_TABLE) and _programs:
+        import json
+
+        with open(os.environ[PROGRAM_TABLE], "a") as out:
+            for name, counts in _programs.items():
+                out.write(json.dumps({"file": name, **counts}) + "\n")
 
 
 # Each executable XLA:CPU compiles keeps its own memory mappings, and jax keeps every executable: a worker that runs

@@ -12,7 +12,19 @@ import pytest
 
 import pallas_kernels
 from eagle3_jax.decoding import engine as engine_lib
-from eagle3_jax_bench import bench, checks, dense, lookup, moe, moe_layer, profile, round_ab, sampling
+from eagle3_jax_bench import (
+    bench,
+    checks,
+    dense,
+    lookup,
+    moe,
+    moe_layer,
+    outputs,
+    profile,
+    round_ab,
+    sampling,
+    structured,
+)
 from eagle3_jax_bench.core import Run
 
 from cuda_lowering import lower_for_cuda
@@ -468,3 +480,29 @@ def test_trees_bench_dry_run(tmp_path):
         assert r["greedy_tokens_per_s"] == pytest.approx(2 * greedy / (r["round_ms"] / 1e3))
         assert r["sampled_speedup"] == pytest.approx(sampled * r["step_ms"] / r["round_ms"])
     assert tree["greedy_over_first_chain"] == pytest.approx(tree["greedy_tokens_per_s"] / chain["greedy_tokens_per_s"])
+
+
+def test_outputs_section(tmp_path, capsys):
+    """`--outputs-only` at tiny shapes: each build's call of rounds (default, logprobs, penalties, both) timed from
+    the same state, spec off and at gamma 3, with its cost over the default build's (times are not asserted)."""
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--kernels", "xla", "--outputs-only"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["outputs"]
+    assert [(r["batch"], r["gamma"]) for r in rows] == [(2, 0), (2, 3)]
+    for r in rows:
+        assert all(r[f"{name}_ms"] > 0 and r["compile_s"][name] > 0 for name in outputs.BUILDS)
+        assert {"logprobs_extra", "penalties_extra", "both_extra"} <= set(r)
+    assert "outputs b2 g3: round" in capsys.readouterr().out
+
+
+def test_structured_bench_dry_run(tmp_path, capsys):
+    """The structured-outputs bench (eagle3_jax_bench/structured.py): the constrained and free calls of rounds on the
+    tiny preset, and every kind's compile on a small synthetic vocabulary."""
+    assert structured.main(["call", "--out", str(tmp_path / "call.json"), "--dry-run"]) == 0
+    call = json.loads((tmp_path / "call.json").read_text())
+    assert [r["batch"] for r in call["rows"]] == [2] and all(r["ratio"] > 0 for r in call["rows"])
+    assert call["states"] == 401  # [a-z ]{1,400}: one state per length, and the start
+    assert structured.main(["compile", "--out", str(tmp_path / "compile.json"), "--dry-run", "--vocab", "synthetic",
+                            "--reps", "1"]) == 0
+    rows = json.loads((tmp_path / "compile.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["compile_ms"] > 0 and r["classes"] < 4096 for r in rows)
+    assert "constrained" in capsys.readouterr().out

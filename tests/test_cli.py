@@ -149,6 +149,22 @@ def test_errors_are_reported_not_raised(folders, tmp_path, capsys):
     assert "exact=True needs a power-of-two head_dim >= 16" in capsys.readouterr().err
 
 
+def test_stop_ids_errors_name_the_flag_and_a_budget_past_max_len_is_refused(folders, capsys):
+    """--stop-ids' errors name --stop-ids (not --prompt-ids); --max-new-tokens past --max-len is refused as the server
+    refuses max_tokens, with both numbers, not cut to fit."""
+    command = ["generate", "--target", str(folders / "target"), "--prompt-ids", "3,17,5", "--dtype", "float32",
+               "--max-len", "64"]
+    with pytest.raises(SystemExit):
+        main(command + ["--stop-ids", "47,x"])
+    assert "--stop-ids must be integers separated by commas or spaces, got '47,x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--stop-ids has 48, outside the vocabulary \\[0, 48\\)"):
+        main(command + ["--stop-ids", "47,48"])
+    with pytest.raises(SystemExit, match="the prompt has 3 tokens and --max-new-tokens is 62: together 65, past "
+                                         "--max-len 64"):
+        main(command + ["--max-new-tokens", "62"])
+    assert main(command + ["--max-new-tokens", "61", "--stop-ids", "47"]) == 0
+
+
 def test_second_run_compiles_nothing(folders, tmp_path):
     """The command keeps JAX's persistent compilation cache: the first run fills it, the second finds every
     program there and writes nothing new."""

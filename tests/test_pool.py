@@ -70,14 +70,15 @@ AUTO_COSTS = {"auto": lambda batch, length: np.array([1.0, 1.1, 1.2, 1.3]),
 @pytest.mark.parametrize("gamma, chunk", [(0, 3), (1, 5), (2, 8), (3, 3), (4, 5), (5, 8), ("auto", 3),
                                           ("auto-hold", 5)])
 def test_every_prompt_equals_its_output_alone(world, reference, gamma, chunk):
-    """Through 3 slots sharing KV for one sequence, prompts of 1-63 tokens prefilled 3, 5 or 8 tokens a round (a
-    prompt spans many rounds and calls, its row joining mid-call): preempted rows are recomputed and lose or repeat
-    nothing, and while prompts wait for pages a call computes fewer rows than the pool's slots."""
+    """Through 3 slots sharing KV for one sequence (4 pages of 16), prompts of 1-63 tokens prefilled 3, 5 or 8 tokens
+    a round (a prompt spans many rounds and calls, its row joining mid-call): preempted rows are recomputed and lose
+    or repeat nothing, and while prompts wait for pages a call computes fewer rows than the pool's slots."""
     target, drafter = world["random"]
     prompts, budgets, stops, expected = reference
     costs = AUTO_COSTS.get(gamma)
     engine = eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens="auto" if costs else gamma or 1,
-                               max_len=MAX_LEN, max_batch=POOL, round_costs=costs, prefill_chunk=chunk, **tight())
+                               max_len=MAX_LEN, max_batch=POOL, round_costs=costs, prefill_chunk=chunk,
+                               kv_tokens=MAX_LEN, page_size=16)
     got = engine.generate(prompts, budgets, stops)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]

@@ -11,6 +11,7 @@ import pytest
 
 from eagle3_jax.checkpoints.drafter import Drafter
 from eagle3_jax.checkpoints.target import Target
+from eagle3_jax.decoding import logprobs
 from eagle3_jax.decoding.engine import Engine
 from eagle3_jax.decoding.request import Request, bucket_length
 from eagle3_jax.decoding.round_output import RoundOutput, pack, width
@@ -54,17 +55,33 @@ def test_round_output_unpacks_what_pack_wrote():
     assert out.shadow.tolist() == [[3, 4], [0, 0]]
     one, no_drafts = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32)
     assert RoundOutput.unpack(np.asarray(pack(one[:, None], no_drafts, one, one, one)), 0).shadow.tolist() == [[0, 0]]
-    with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns, got 10"):
+    with pytest.raises(ValueError, match="a round of gamma 3 packs 12 columns \\(176 with logprobs\\), got 10"):
         RoundOutput.unpack(np.asarray(packed), 3)
-    # A draft tree's round (gamma its depth): its nodes' tokens and parents, then its path, after the chain's columns.
+    # With logprobs: their columns before the shadow's (which _catch_up writes last), floats bitcast.
+    logits = jnp.array([[0.0, 2.0, 1.0]] * 3 + [[3.0, 3.0, -1.0]] * 3, jnp.float32)  # [B (gamma + 1), V]
+    choices = jnp.array([[1, 2, 0], [0, 1, 2]])
+    columns = logprobs.columns(logits, choices.reshape(-1)).reshape(2, gamma + 1, -1)
+    packed = pack(choices, jnp.array([[7, 1], [2, 3]]), jnp.array([3, 1]), jnp.array([2, 0]),
+                  jnp.array([True, False]), jnp.array([[3, 4], [0, 0]]), columns)
+    assert packed.shape == (2, width(gamma, logprobs=True)) == (2, 2 * gamma + 6 + 3 * (1 + 2 * logprobs.TOP))
+    out = RoundOutput.unpack(np.asarray(packed), gamma)
+    assert out.shadow.tolist() == [[3, 4], [0, 0]] and out.tokens == [[1, 2, 0], [0]]
+    lse = np.log(np.exp([0.0, 2.0, 1.0]).sum())
+    (first, second, third) = logprobs.unpack(out.logprobs[0], 2)
+    assert first.logprob == pytest.approx(2.0 - lse) and second.logprob == pytest.approx(1.0 - lse)
+    assert first.top == [(1, pytest.approx(2.0 - lse)), (2, pytest.approx(1.0 - lse))]
+    (tied,) = logprobs.unpack(out.logprobs[1, :1], 3)  # equal logits: the higher id first; V 3 < TOP: no padding
+    assert [t for t, _ in tied.top] == [1, 0, 2] and third.logprob == pytest.approx(-lse)
+    # A draft tree's round (gamma its depth): its nodes' tokens and parents, then its path, before the shadow's.
     tree = (jnp.array([[11, 12, 13], [14, 15, 16]]), jnp.array([[0, 0, 1], [0, 1, 1]]), jnp.array([[1, 3], [2, 0]]))
     packed = pack(jnp.array([[7, 8, 9], [4, 5, 6]]), jnp.array([[7, 1], [2, 3]]), jnp.array([2, 0]),
-                  jnp.array([1, 0]), jnp.array([False, True]), None, tree)
-    assert packed.shape == (2, width(gamma, 3)) == (2, 2 * gamma + 6 + 2 * 3 + gamma)
+                  jnp.array([1, 0]), jnp.array([False, True]), jnp.array([[5, 6], [0, 0]]), tree=tree)
+    assert packed.shape == (2, width(gamma, tree_nodes=3)) == (2, 2 * gamma + 6 + 2 * 3 + gamma)
     out = RoundOutput.unpack(np.asarray(packed), gamma, 3)
     assert out.tokens == [[7, 8], []] and [x.tolist() for x in out.tree] == [x.tolist() for x in tree]
-    assert RoundOutput.unpack(np.asarray(packed[:, :10]), gamma).tree is None
-    with pytest.raises(ValueError, match="a round of gamma 2 and a tree of 4 nodes packs 20 columns, got 18"):
+    assert out.shadow.tolist() == [[5, 6], [0, 0]] and packed[0, -2:].tolist() == [5, 6]  # last: _catch_up's place
+    with pytest.raises(ValueError, match=r"a round of gamma 2 and a tree of 4 nodes packs 20 columns \(\d+ with "
+                                         r"logprobs\), got 18"):
         RoundOutput.unpack(np.asarray(packed), gamma, 4)
 
 

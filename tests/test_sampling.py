@@ -265,7 +265,7 @@ def test_candidates_at_any_blocks_are_a_stable_sort(blocks):
     x[2, 100:300] = 50.0  # 200 equal maxima in a few neighbouring blocks
     x[3] = rng.standard_normal(5000)
     k = candidate_filter.K
-    padded = candidate_filter._padded(jnp.asarray(x), blocks)
+    padded = candidate_filter.padded(jnp.asarray(x), blocks)
     values, ids = jax.jit(candidate_filter.candidates, static_argnums=(1, 2))(padded, k, blocks)
     padded, ids = np.asarray(padded), np.asarray(ids)
     assert padded.shape[-1] % math.prod(blocks) == 0 and padded.shape[-1] - 5000 < math.prod(blocks)

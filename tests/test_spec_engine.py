@@ -254,7 +254,9 @@ def test_abandoned_stream_leaves_engine_usable(world):
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128)
     stream = engine.stream(PROMPTS, 30)
     first = [next(stream) for _ in range(4)]
-    assert [i for i, _ in first] == [0, 1, 2, 0] and all(tokens for _, tokens in first)  # prefill, then a round
+    # the first round's chunk holds two prompts (prefill_sequences), whose first tokens come first, then the second
+    # round's rows, then (its chunk) the third prompt's first token
+    assert [i for i, _ in first] == [0, 1, 0, 1] and all(tokens for _, tokens in first)
     del stream
     again = engine.generate(PROMPTS, 30)
     fresh = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=128).generate(PROMPTS, 30)

@@ -25,3 +25,16 @@ def generation_sampling(folder: str | Path) -> dict | None:
                 "top_k": fields.int("top_k", HF_DEFAULTS["top_k"], minimum=0),
                 "top_p": fields.float("top_p", HF_DEFAULTS["top_p"])}
     return settings if fields.bool("do_sample", False) else dict(GREEDY)
+
+
+def generation_eos(folder: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of folder's generation_config.json (`eos_token_id`: an id or a list); () without the
+    file or the field. A malformed field raises CheckpointError naming it."""
+    path = Path(folder) / GENERATION_CONFIG
+    if not path.exists():
+        return ()
+    raw = read_json(path)
+    value = raw.get("eos_token_id")
+    if value is None:
+        return ()
+    return Fields.of({"eos_token_id": [value] if isinstance(value, int) else value}, path).ints("eos_token_id")

@@ -38,7 +38,7 @@ K = 64  # candidates per row: rows with top_k in [1, K] are filtered from them
 BLOCKS = (64,)
 
 
-def _padded(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+def padded(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
     """[R, V] -> [R, N], padded with -inf to a multiple of every level's blocks; -0.0 as +0.0 (equal
     logits, one order)."""
     size = math.prod(blocks)
@@ -96,9 +96,9 @@ def filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array, blocks: tuple[
     them: exact for rows with 1 <= top_k <= count, the candidates per row (top_k > V keeps the whole row, as
     transformers does); other rows' values are not the filter's. blocks: `candidates`' block sizes (any give
     the same result)."""
-    padded = _padded(x, blocks)
-    values, ids = candidates(padded, min(count, x.shape[-1]), blocks)
-    by_block = padded.reshape(x.shape[0], -1, blocks[0])  # the finest level's blocks
+    padded_x = padded(x, blocks)
+    values, ids = candidates(padded_x, min(count, x.shape[-1]), blocks)
+    by_block = padded_x.reshape(x.shape[0], -1, blocks[0])  # the finest level's blocks
     rows, n = jnp.arange(x.shape[0]), values.shape[-1]
     k = jnp.clip(top_k, 1, n)
     thr, top = values[rows, k - 1], values[:, 0]

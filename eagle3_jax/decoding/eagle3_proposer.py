@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.models import eagle3 as drafter_lib
@@ -69,8 +70,12 @@ class Eagle3:
         args = (dparams, self.config, _embed(dparams, tparams), state.draft_hidden, state.draft_pages, state.page_table,
                 state.draft_lengths, spec.gamma, spec.kernels)
         write = ~state.done
+        guide = None
+        if state.grammar is not None and spec.constrain_drafts:  # the chain follows each row's automaton
+            draft_ids = drafter_lib.to_target_id(dparams, jnp.arange(self.config.draft_vocab_size))
+            guide = grammar_lib.draft_guide(state.grammar_tables, state.grammar, draft_ids)
         if not (spec.sampling and spec.proposal == "sample"):
-            drafts, pages = drafter_lib.draft_chain(*args, write=write, tp=spec.tp)
+            drafts, pages = drafter_lib.draft_chain(*args, write=write, tp=spec.tp, guide=guide)
             return drafts, None, None, pages
         s = state.sampling
 
@@ -79,7 +84,7 @@ class Eagle3:
             drawn = sampling_lib.categorical(sampling_lib.draft_key(keys, step), q)
             return jnp.where(s.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn), q
 
-        drafts, q, pages = drafter_lib.draft_chain(*args, propose=propose, write=write, tp=spec.tp)
+        drafts, q, pages = drafter_lib.draft_chain(*args, propose=propose, write=write, tp=spec.tp, guide=guide)
         # q lives on the draft vocabulary, 0 for every other target token.
         return drafts, q, drafter_lib.to_target_id(dparams, jnp.arange(self.config.draft_vocab_size)), pages
 

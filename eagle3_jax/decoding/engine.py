@@ -17,7 +17,8 @@ Sampling settings (temperature, top-k, top-p, seed) travel as device arrays, one
 values never recompile. An Engine has three builds of its steps: the greedy one, which a request whose rows
 are all greedy runs (no sampling work at all), and two sampling ones, which run any request with a sampled
 row and handle greedy rows beside them: the candidate filter's when every sampled row's top_k is in [1, 64],
-else the radix search's (sampling.filter_for). Each compiles once, when first needed.
+else the radix search's (sampling.filter_for). Each has variants with penalties and logit_bias (penalties.py) and
+with logprobs (logprobs.py), which only a request that has them runs. Each compiles once, when first needed.
 
 num_draft_tokens="auto" builds one step per gamma 0 .. max_draft_tokens (StepSpec.gamma; the DecodeState
 is the same pytree for all, so the pool's donated state flows from one to another and a change of gamma
@@ -52,12 +53,15 @@ from eagle3_jax.decoding import (
     parallel_steps,
     round_costs,
     spec_round,
+    warm_start,
 )
+from eagle3_jax.decoding import logprobs as logprobs_lib
 from eagle3_jax.decoding import progress as progress_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding.engine_args import DEFAULT_PROPOSAL, PROPOSALS
 from eagle3_jax.decoding.request import Request
+from eagle3_jax.decoding.structured import Compiler, Structured, target_vocabulary
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import kv_cache
 
@@ -112,6 +116,11 @@ class Result:
     # The gamma each round of accept_lengths ran (all the engine's gamma unless num_draft_tokens="auto").
     gammas: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0  # the prompt tokens served from the prefix cache (Engine(prefix_caching=...))
+    # With generate(logprobs=k): each generated token's log-probability under the target (its raw log-softmax, before
+    # temperature, penalties and filters) and its position's k most likely (id, logprob) pairs.
+    logprobs: list[logprobs_lib.TokenLogprobs] | None = None
+    # With generate(prompt_logprobs=k): the same for each prompt token (None for the first, which nothing predicts).
+    prompt_logprobs: list[logprobs_lib.TokenLogprobs | None] | None = None
 
 
 def round_trace(trace: tuple, accepted: int) -> RoundTrace:
@@ -149,8 +158,8 @@ class Engine:
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_chunk: int | None = None, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None, kv_tokens: int | None = None, page_size: int | None = None,
-                 prefill_sequences: int | None = None, prefix_caching: bool = True, draft_depth: int | None = None,
-                 draft_top_k: int = 1):
+                 prefill_sequences: int | None = None, prefix_caching: bool = True, constrain_drafts: bool = True,
+                 draft_depth: int | None = None, draft_top_k: int = 1):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
         in the row's own tokens, no weights), or None (spec off); anything else is refused.
         num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
@@ -203,7 +212,10 @@ class Engine:
         mesh: a tensor-parallel mesh (parallel/mesh.py's tp_mesh; docs/tensor-parallel.md); None: the target's
         (load_target(mesh=...)), else one device. A target and drafter not yet on it are placed there (the
         caller's unsharded copies stay where they are); a tp that does not split the target is refused, naming
-        the sizes."""
+        the sizes.
+        constrain_drafts: a constrained row's drafts follow its constraint too (masked proposals: the drafter's
+        chain moves the row's automaton along its own drafts, prompt lookup's proposal is cut where it leaves it);
+        False drafts unconstrained, for measuring what that gains (lossless either way: docs/structured.md)."""
         cfg = target.config
         proposer, dparams = proposer_lib.resolve(drafter)
         mesh = target.mesh if mesh is None else mesh
@@ -253,8 +265,10 @@ class Engine:
             kernels=kernels,
             exact=exact,
             held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto and self._holds else 0,
+            constrain_drafts=bool(constrain_drafts),
             tree=tree,
         )
+        self._compiler = None  # structured outputs' compiler, made on the first constraint (Engine.constraint)
         if mesh is not None:
             self._spec = parallel_steps.local_spec(self._spec, target.mesh.devices.size)
         self.page_pool = self._page_pool(kv_tokens, page_size or page_pool.default_page_size(max_len))
@@ -308,16 +322,30 @@ class Engine:
 
     def build_for(self, request: Request) -> spec_round.StepSpec:
         """The build a request runs: the sampling one when some row samples, with the filter its settings
-        need (sampling.filter_for; on a mesh, the radix search)."""
-        if not request.samples:
-            return self._spec
-        # A vocabulary split over a mesh takes the radix search: the candidate filter's top-k is per device.
-        chosen = "radix" if self._spec.tp is not None else sampling_lib.filter_for(request.sampling)
-        return dataclasses.replace(self._sampling_spec, filter=chosen)
+        need (sampling.filter_for; on a mesh, the radix search); with penalties when some row has any, with
+        logprobs when some row asks for them."""
+        spec = self._spec
+        if request.samples:
+            # A vocabulary split over a mesh takes the radix search: the candidate filter's top-k is per device.
+            chosen = "radix" if self._spec.tp is not None else sampling_lib.filter_for(request.sampling)
+            spec = dataclasses.replace(self._sampling_spec, filter=chosen)
+        return dataclasses.replace(spec, penalties=request.penalized, logprobs=request.wants_logprobs)
 
-    def prefill_build(self, spec: spec_round.StepSpec) -> spec_round.StepSpec:
-        """The prefill of a build: one for both proposals (prefill draws no drafts), with the build's filter."""
-        return dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if spec.sampling else self._spec
+    def prefill_build(self, spec: spec_round.StepSpec, prompt_logprobs: bool = False) -> spec_round.StepSpec:
+        """The prefill of a build: one for both proposals (prefill draws no drafts), with the build's filter,
+        penalties and logprobs; prompt_logprobs: it also reports each chunk position's (logprobs.py)."""
+        base = dataclasses.replace(self._sampling_prefill_spec, filter=spec.filter) if spec.sampling else self._spec
+        return dataclasses.replace(base, penalties=spec.penalties, logprobs=spec.logprobs or prompt_logprobs,
+                                   prompt_logprobs=prompt_logprobs)
+
+    def check_outputs(self, request: Request) -> None:
+        """Refuses (ValueError) what this engine cannot honour: penalties, logit_bias and logprobs on a tensor-parallel
+        mesh (their reductions over the vocabulary are one device's)."""
+        if self._spec.tp is None:
+            return
+        for name, asked in (("penalties and logit_bias", request.penalized), ("logprobs", request.wants_logprobs)):
+            if asked:
+                raise ValueError(f"{name} are not built for a tensor-parallel mesh: run the engine on one device")
 
     @property
     def spec(self) -> spec_round.StepSpec:
@@ -341,8 +369,9 @@ class Engine:
         return proposer_lib.holds_pairs(self._proposer)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None, trace: bool = False,
-                 progress: bool | None = None) -> list[Result]:
+                 *, temperature=0.0, top_k=0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
+                 repetition_penalty=1.0, logit_bias=None, logprobs=None, prompt_logprobs=None, trace: bool = False,
+                 progress: bool | None = None, structured=None) -> list[Result]:
         """Continuation of each prompt (token ids), in input order; see `Result`. Any number of prompts
         runs through the engine's pool of `max_batch` slots: a finished row's slot takes the next prompt.
 
@@ -356,6 +385,14 @@ class Engine:
         num_draft_tokens="auto" each call's gamma follows the whole request's acceptance and the measured
         costs, so a seed gives the same tokens only for the same request and cost table (the distribution is
         exact either way).
+        frequency_penalty, presence_penalty (each in [-2, 2], 0: none), repetition_penalty (> 0, 1: none) and
+        logit_bias (None, or a dict of token id -> bias in [-100, 100], at most 300 entries): vLLM's penalties (counts
+        over the output; the repetition penalty over prompt and output) and OpenAI's bias, applied in that order to
+        the target's logits before temperature, top-k and top-p (docs/sampling.md); each a scalar (a dict) for every
+        prompt or a list with one per prompt; exact under speculation.
+        logprobs: None, or k in [0, 20]: `Result.logprobs` holds each generated token's logprob and its position's k
+        most likely tokens; prompt_logprobs: the same for the prompt's tokens (`Result.prompt_logprobs`), computed
+        by the prompt's own prefill, whose prefix the cache then does not serve. Each a scalar or one per prompt.
         Bad values raise ValueError before any device work.
         Every token id, max_new_tokens, stop id, top_k and seed is an int (a numpy integer too; not a bool,
         not a float); a prompt is a list or tuple of them or a 1-D integer array, and prompts may be a 2-D
@@ -363,33 +400,42 @@ class Engine:
         trace=True also keeps each round's drafts and target choices (`Result.rounds`): they travel in
         the round's one transfer either way, so tracing adds no device work and no transfer.
         progress: a progress bar (prompts done, tokens/s) on stderr; None shows it when there are more
-        prompts than slots."""
+        prompts than slots.
+        structured: an eagle3_jax.Structured for every prompt, or a list with one per prompt (None: a free row):
+        a constrained row's output is the target's under the constraint's mask (docs/structured.md), and it ends
+        at an end-of-sequence id its constraint allows, with finish_reason "stop" and the end id left out of
+        token_ids."""
         request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed)
+                               top_p=top_p, seed=seed, frequency_penalty=frequency_penalty,
+                               presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
+                               logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               structured=structured)
         results: list[Result | None] = [None] * request.num_rows
         for i, result in self._completed(request, trace, progress_lib.checked(progress)):
             results[i] = result
         return results
 
     def as_completed(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     stop_token_ids: Sequence[int] = (), *, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                     trace: bool = False, progress: bool | None = False) -> Iterator[tuple[int, Result]]:
-        """(prompt index, Result) for each prompt as it finishes; the arguments are `generate`'s. Safe to
-        abandon at any point. A bad request raises here, before any device work."""
-        request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed)
+                     stop_token_ids: Sequence[int] = (), *, trace: bool = False, progress: bool | None = False,
+                     **settings) -> Iterator[tuple[int, Result]]:
+        """(prompt index, Result) for each prompt as it finishes; the arguments (settings: the sampling, structured,
+        penalty and logprobs keywords) are `generate`'s. Safe to abandon at any point. A bad request raises here,
+        before any device work."""
+        request = self.request(prompts, max_new_tokens, stop_token_ids, **settings)
         return self._completed(request, trace, progress_lib.checked(progress))
 
     def _completed(self, request: Request, trace: bool, progress: bool | None) -> Iterator[tuple[int, Result]]:
         P = request.num_rows
-        tokens, accepts, gammas, traces = ([[] for _ in range(P)] for _ in range(4))
-        cached = [0] * P
+        tokens, accepts, gammas, traces, logprobs = ([[] for _ in range(P)] for _ in range(5))
+        cached, prompt_logprobs = [0] * P, [None] * P
         bar = progress_lib.progress_bar(P, self._pool_rows(request), progress)
         try:
             for event in self._events(request, trace):
                 i = event.request
                 tokens[i].extend(event.tokens)
                 cached[i] = max(cached[i], event.cached_tokens)
+                logprobs[i].extend(event.logprobs or ())
+                prompt_logprobs[i] = prompt_logprobs[i] or event.prompt_logprobs
                 if event.gamma is not None:  # a speculative round
                     accepts[i].append(event.accepted)
                     gammas[i].append(event.gamma)
@@ -399,18 +445,18 @@ class Engine:
                     bar.add(len(event.tokens), event.finished)
                 if event.finished:
                     yield i, Result(tokens[i], event.finish_reason, accepts[i], traces[i] if trace else None,
-                                    gammas[i], cached[i])
+                                    gammas[i], cached[i], logprobs[i] if _asks(request.logprobs, i) else None,
+                                    prompt_logprobs[i] if _asks(request.prompt_logprobs, i) else None)
         finally:
             if bar is not None:
                 bar.close()
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-               *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[tuple[int, list[int]]]:
+               **settings) -> Iterator[tuple[int, list[int]]]:
         """Yields (prompt index, new tokens) as the pool's rounds emit them, in the order they ran; the
         settings are `generate`'s. Safe to abandon at any point, after which the engine serves the next
         request as usual. A bad request raises here, before the first chunk is asked for."""
-        request = self.request(prompts, max_new_tokens, stop_token_ids, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed)
+        request = self.request(prompts, max_new_tokens, stop_token_ids, **settings)
         return ((e.request, e.tokens) for e in self._events(request) if e.tokens)
 
     def compile(self, *, samples: bool = False, top_k: int = 0, threads: int | None = None) -> int:
@@ -422,12 +468,22 @@ class Engine:
         radix build, for any settings; 1 to 64, as Qwen3's 20: the candidate build; on a mesh the radix build
         either way). `threads` programs compile at once (None: one per CPU core; XLA's compiler releases the
         interpreter while it works). Under "auto" it also measures (or loads) the round costs of every bucket,
-        with and without prompt tokens. Returns how many programs it compiled."""
+        with and without prompt tokens. With JAX's persistent compilation cache on (the CLI's and the server's
+        default), a configuration compiled once before is not compiled or lowered again (decoding/warm_start.py):
+        its programs load from the cache on first use, and its round costs from their file. Returns how many
+        programs it compiled (0 then)."""
         template = self.request([[0]], 1, temperature=1.0 if samples else 0.0, top_k=top_k)
         spec = self.build_for(template)
         steps, pages = self.steps, self.page_pool
         params = (self.target.params, self.draft_params)
         stop_width, dtype = int(template.stop_ids.shape[1]), self.target.params["embed"].dtype
+        marker = warm_start.marker({"spec": spec, "max_batch": self.max_batch, "rounds": self.rounds_per_call,
+                                    "prefill_chunk": self.prefill_chunk, "sequences": self.prefill_sequences,
+                                    "width": self.table_width, "pages": pages.num_pages, "page_size": pages.page_size,
+                                    "dtype": str(dtype), "stop_width": stop_width, "auto": self.auto,
+                                    "mesh": None if self.target.mesh is None else self.target.mesh.devices.shape})
+        if warm_start.is_warm(marker):  # every program is in the persistent cache: each loads on first use
+            return 0
         pool = steps.empty(self.spec, self.max_batch, self.table_width, stop_width, dtype)
         jobs = []  # (step, args, kwargs): compiled with real arrays, so that jit's cache keys match a call's
         pages.acquire()
@@ -456,6 +512,7 @@ class Engine:
             for bucket in live_plan.row_buckets(self.max_batch):
                 for mixed in (False, True):
                     self.round_costs(bucket, 0.0, template, mixed)
+        warm_start.mark(marker, len(jobs))
         return len(jobs)
 
     def _chunk_plan(self, stop_width: int, rounds: int, alone: bool = False):
@@ -490,6 +547,8 @@ class Engine:
         template = template or self.greedy_template()
         spec = self.build_for(template)
         build = spec.filter if spec.sampling else False  # each build its own costs: False greedy, else its filter
+        if spec.penalties or spec.logprobs:  # ... and its variant with penalties or logprobs
+            build = (build, spec.penalties, spec.logprobs)
         if build not in self._costs:
             fields = {"spec": dataclasses.replace(spec, gamma=0), "dtype": str(self.target.params["embed"].dtype),
                       "rounds_per_call": self.rounds_per_call, "gammas": self.gammas,
@@ -554,13 +613,35 @@ class Engine:
         return self._holds
 
     def request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                *, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
-        """The request `generate` runs for these arguments, checked against this engine's max_len and the
-        target's vocabulary; raises ValueError before any device work."""
+                *, structured=None, **settings) -> Request:
+        """The request `generate` runs for these arguments (settings: its sampling, penalty and logprobs keywords),
+        checked against this engine's max_len and the target's vocabulary (and its constraints compiled), and
+        against what the engine can honour (`check_outputs`); raises ValueError before any device work."""
         self.device_events = []  # a request refused here did nothing on the device
-        return Request.build(prompts, max_new_tokens, stop_token_ids, max_len=self.max_len,
-                             vocab_size=self.target.config.vocab_size, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed)
+        constraints = None
+        if structured is not None:
+            count = len(prompts) if isinstance(prompts, (list, tuple)) or hasattr(prompts, "shape") else 0
+            given = structured if isinstance(structured, (list, tuple)) else [structured] * count
+            if len(given) != count:
+                raise ValueError(f"structured has {len(given)} values for {count} prompts")
+            constraints = [None if s is None else self.constraint(s) for s in given]
+        request = Request.build(prompts, max_new_tokens, stop_token_ids, max_len=self.max_len,
+                                vocab_size=self.target.config.vocab_size, constraints=constraints, **settings)
+        self.check_outputs(request)
+        return request
+
+    def constraint(self, structured):
+        """A Structured compiled for the target's vocabulary (decoding/automaton.py), cached by its text: the
+        target folder's tokenizer and its end-of-sequence ids (generation_config.json's, else the tokenizer's).
+        ValueError for anything that is not a Structured, a target without a tokenizer, an engine on a mesh, or a
+        constraint that does not compile."""
+        if not isinstance(structured, Structured):
+            raise ValueError(f"structured must be an eagle3_jax.Structured or None, got {type(structured).__name__}")
+        if self._spec.tp is not None:
+            raise ValueError("structured outputs are not supported on a tensor-parallel mesh")
+        if self._compiler is None:
+            self._compiler = Compiler(target_vocabulary(self.target.folder, self.target.config.vocab_size))
+        return self._compiler(structured)
 
     def _pool_rows(self, request: Request) -> int:
         """The slots a request runs in: max_batch, or fewer when it has fewer prompts."""
@@ -586,3 +667,8 @@ class Engine:
             pool.close()
             self.preemptions += pool.preemptions
             self.cached_tokens += pool.cached_tokens
+
+
+def _asks(counts, row: int) -> bool:
+    """Whether a request's row asks for logprobs (Request.logprobs or prompt_logprobs)."""
+    return counts is not None and int(counts[row]) >= 0

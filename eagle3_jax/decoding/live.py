@@ -13,7 +13,8 @@ Requests of different settings share the pool: every row carries its own samplin
 temperature 0) and stop ids padded to one width (`stop_width`; a request with more is refused). A call of
 rounds runs the engine's greedy build when every row it runs is greedy, else the sampling build of those rows'
 settings (sampling.filter_for); the two read the same state. On a tensor-parallel mesh every call runs
-the sampling build (the radix filter there), whose sharded steps carry the rows' settings. Under
+the sampling build (the radix filter there), whose sharded steps carry the rows' settings. A call with rows that have
+penalties or ask for logprobs runs that build's variant with them (Step.penalties, Step.logprobs). Under
 num_draft_tokens="auto" one gamma policy follows the pool's acceptance, with each call's round costs at its row
 bucket, with or without prompt tokens.
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from eagle3_jax.decoding import gamma_policy, slots, spec_round
+from eagle3_jax.decoding import gamma_policy, grammar, slots, spec_round
 from eagle3_jax.decoding.live_plan import Event, LiveScheduler, Step, live_row
 from eagle3_jax.decoding.request import Request
 
@@ -79,8 +80,9 @@ class LivePool:
                                         with_next=engine.holds_pairs, history=engine.keeps_history,
                                         tree_nodes=engine.tree.nodes if engine.tree else 0, scratch=engine.scratch)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
-        # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it)
-        # dispatched, unread
+        self._grammar_version = 0  # the layout of the constrained rows' automata the rows hold (grammar.Registry)
+        # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it,
+        # the chunk's prompt segments) dispatched, unread
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", id, row, callback) or ("abort", id), in call order
@@ -110,12 +112,17 @@ class LivePool:
         """Requests queued for a slot (submitted ones the scheduler has not taken yet included)."""
         return len(self._scheduler.waiting) + sum(1 for item in list(self._inbox) if item[0] == "add")
 
-    def check(self, prompt, max_new_tokens, stop_token_ids=(), *, temperature=0.0, top_k=0, top_p=1.0,
-              seed=None) -> Request:
-        """The one-row request `submit` queues for these arguments (live_plan.live_row)."""
-        return live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
-                        vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    def check(self, prompt, max_new_tokens, stop_token_ids=(), *, structured=None, **settings) -> Request:
+        """The one-row request `submit` queues for these arguments (live_plan.live_row; settings: Engine.generate's
+        sampling, penalties, logit_bias and logprobs keywords), refused (ValueError) where the engine cannot honour
+        it (Engine.check_outputs); structured: an eagle3_jax.Structured, compiled here (Engine.constraint: cached by
+        its text)."""
+        constraint = None if structured is None else self.engine.constraint(structured)
+        row = live_row(prompt, max_new_tokens, stop_token_ids, max_len=self.engine.max_len,
+                       vocab_size=self.engine.target.config.vocab_size, stop_width=self.stop_width,
+                       constraint=constraint, **settings)
+        self.engine.check_outputs(row)
+        return row
 
     def submit(self, row: Request, on_event: Callable[[Event], None]) -> int:
         """Queues a request `check` built; returns its id. on_event(live_plan.Event) is called on the pool's
@@ -204,10 +211,10 @@ class LivePool:
                     self._execute(self._scheduler.plan(1, idle=False))
                 if not self._queue:  # running requests, and nothing planned for them: they would never finish
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
-                kind, packed, gamma, owners, chunk_owners, synced = self._queue.popleft()
+                kind, packed, gamma, owners, chunk_owners, synced, prompt_segments = self._queue.popleft()
                 self._events.append(("transfer", tuple(packed.shape)))
                 self._deliver(self._scheduler.read(kind, gamma, owners, self.engine.steps.fetch(packed),
-                                                   chunk_owners, synced))
+                                                   chunk_owners, synced, prompt_segments))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
             with self._lock:
                 self.error = e
@@ -251,12 +258,17 @@ class LivePool:
             self._rows = jit_release(self._rows, steps.put(index))
         if step.page_table is not None:
             self._rows = dataclasses.replace(self._rows, page_table=steps.put(step.page_table))
+        if scheduler.grammar.version != self._grammar_version:  # the constrained rows' automata changed
+            self._rows = grammar.installed(self._rows, scheduler.grammar, steps.put)
+            self._grammar_version = scheduler.grammar.version
         chunk = step.chunk
         sampled = step.sampling or self._always_sampling
         build = engine.build_for(scheduler.busy_settings(chunk)) if sampled else engine.spec
+        build = dataclasses.replace(build, penalties=step.penalties, logprobs=step.logprobs)
         if step.rounds is not None:
-            spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush)
             mixed = chunk is not None and not chunk.alone
+            spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush,
+                                       prompt_logprobs=mixed and bool(chunk.prompt_segments))
             width = step.owners.shape[1]
             self._events.append(("call", (engine.rounds_per_call, width, chunk.prompt_tokens if mixed else 0)))
             index = None if step.rows is None else steps.put(step.rows)
@@ -268,14 +280,16 @@ class LivePool:
             self._rows = rows if index is None else jit_put(self._rows, index, rows)
             synced = step.rounds.gamma > 0 or step.rounds.flush or not engine.holds_pairs
             self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
-                                synced))
+                                synced, chunk.prompt_segments if mixed else ()))
         if chunk is not None and chunk.alone:
             self._events.append(("prefill", (chunk.prompt_tokens,)))
             state = spec_round.with_pages(self._rows, pages.arrays)
             on_device = steps.put(jax.tree.map(lambda x: x[0], device_chunks(chunk)))
-            state, packed = steps.prefill(*params, state, on_device, spec=engine.prefill_build(build))
+            spec = engine.prefill_build(build, prompt_logprobs=bool(chunk.prompt_segments))
+            state, packed = steps.prefill(*params, state, on_device, spec=spec)
             self._rows, pages.arrays = spec_round.split_pages(state)
-            self._queue.append(("chunk", packed, engine.draft_depth, None, chunk.owners[0], True))
+            self._queue.append(("chunk", packed, engine.draft_depth, None, chunk.owners[0], True,
+                                chunk.prompt_segments))
 
 
 def device_chunks(chunk, rows: np.ndarray | None = None, capacity: int = 0) -> spec_round.Chunk:
@@ -287,4 +301,5 @@ def device_chunks(chunk, rows: np.ndarray | None = None, capacity: int = 0) -> s
         position[rows] = np.arange(len(rows), dtype=np.int32)
         slot = position[np.minimum(slot, capacity)]
     return spec_round.Chunk(chunk.tokens, chunk.cu, chunk.start, chunk.table, chunk.final, slot, chunk.next_token,
-                            chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history)
+                            chunk.generated, chunk.max_new, chunk.stop_ids, chunk.sampling, chunk.history,
+                            chunk.penalties, chunk.grammar)

@@ -31,6 +31,13 @@ whole pages (at least its last token is computed) and its chunks start after the
 committed KV join the cache as its chunks write them, and as its rounds commit them once its drafter's KV is up to
 date (every call that drafts, or that brings a held drafter up to date).
 
+Penalties and logprobs: a call whose rows (or the rows its chunks install) have penalties or ask for logprobs runs
+the build with them (`Step.penalties`, `Step.logprobs`); a call whose chunks hold a penalized sequence brings every
+final segment's whole sequence (`ChunkPlan.history`), over which its penalties count. A prompt whose own logprobs are
+asked for takes no cached prefix (a page holds no logits), and the rounds that carry its chunks report them
+(`ChunkPlan.prompt_segments`, spec_round._prompt_rows); `read` keeps them on the request until its first token's
+event carries them.
+
 While some running row surely needs another call (more tokens left than the call in flight can emit), or some
 prompt token can go, the next call is planned before the one in flight is read, so the device does not idle on the
 host. While requests wait for a slot, only when every running row needs it: a slot freed by the call in flight is
@@ -45,9 +52,13 @@ import collections
 import dataclasses
 from typing import Protocol
 
+import jax
 import numpy as np
 
+from eagle3_jax.decoding import grammar as grammar_lib
+from eagle3_jax.decoding import logprobs as logprobs_lib
 from eagle3_jax.decoding.page_pool import PagePool, chain_keys, pages_for
+from eagle3_jax.decoding.penalties import Penalties
 from eagle3_jax.decoding.request import Request
 from eagle3_jax.decoding.round_output import RoundOutput
 from eagle3_jax.decoding.sampling import SamplingParams
@@ -88,7 +99,12 @@ class ChunkPlan:
     sampling: SamplingParams  # [R, P]
     owners: np.ndarray  # [R, P] int64: the request whose prompt each final segment ends (-1: none)
     alone: bool  # a call of its own (an exact engine's; R = 1), not riding in a call of rounds
-    history: np.ndarray | None = None  # [R, P, max_len] int32: a final segment's whole sequence (prompt lookup's)
+    # [R, P, max_len] int32: a final segment's whole sequence (prompt lookup's; a penalized sequence's: penalties.py)
+    history: np.ndarray | None = None
+    grammar: grammar_lib.Rows | None = None  # [R, P] final segments' automata and states, while the pool has any
+    penalties: Penalties | None = None  # [R, P] each sequence's penalties and logit_bias
+    # (round, request id, offset in tokens, start position, tokens) of each segment whose prompt logprobs are asked for
+    prompt_segments: tuple = ()
 
     @property
     def samples(self) -> bool:
@@ -117,6 +133,8 @@ class Step:
     chunk: ChunkPlan | None  # prompt tokens: in the call's rounds, or (chunk.alone) in a call of their own after it
     sampling: bool  # whether the call's rows (or its chunk's rows) include a sampled one: the sampling build
     page_table: np.ndarray | None  # [capacity, W] every slot's pages, to load before the call; None: unchanged
+    penalties: bool = False  # whether the call's rows or its chunk's rows have penalties: a penalty build
+    logprobs: bool = False  # whether they ask for logprobs (or a chunk's prompt ones): a build with logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +153,9 @@ class Event:
     # along its path, its nodes' parents, its path's nodes) (engine.round_trace)
     trace: tuple[list[int], ...] | None = None
     cached_tokens: int = 0  # with the first token: the prompt tokens served from the prefix cache
+    logprobs: list | None = None  # a request that asks for them: each token's logprobs.TokenLogprobs
+    # with the first token of a request that asks for them: each prompt token's (None for the first)
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -153,6 +174,17 @@ class _Live:
     keys: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' prefix-cache keys (page_pool)
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     counted: bool = False  # its first admission's cache hit is counted (a recompute's is not)
+    placed: bool = False  # its constraint is laid out in the pool's automata (grammar.Registry) for its row
+    prompt_logprobs: list | None = None  # its prompt tokens' logprobs as its chunks report them (when asked for)
+
+    def asks(self, field: str) -> bool:
+        """Whether its request asks for `field` ("logprobs", "prompt_logprobs")."""
+        counts = getattr(self.row, field)
+        return counts is not None and int(counts[0]) >= 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.row.penalties is not None and bool(self.row.penalties.active()[0])
 
     def known(self) -> np.ndarray:
         """Every token of its sequence the host knows: the prompt, then what it emitted."""
@@ -219,6 +251,7 @@ class LiveScheduler:
         self._admitted = 0  # admissions so far (_Live.order)
         self._table_changed = True
         self._last_gamma = max_gamma  # the latest dispatched call's gamma: what a call in flight may emit
+        self.grammar = grammar_lib.Registry()  # the constrained rows' automata, for the runner's tables
 
     @property
     def running(self) -> int:
@@ -312,7 +345,12 @@ class LiveScheduler:
         if rounds is not None and self._table_changed:
             table, self._table_changed = self.page_table(), False
         sampling = (rounds is not None and self.samples()) or (chunk is not None and chunk.samples)
-        return Step(allocate, release, tuple(preempted), rounds, rows, owners, chunk, sampling, table)
+        ran = (busy if rounds is not None else []) + ([int(r) for r in chunk.owners.ravel() if r >= 0] if chunk else [])
+        penalties = any(self.requests[r].penalized for r in ran if r in self.requests)
+        logprobs = any(self.requests[r].asks("logprobs") for r in ran if r in self.requests) or bool(
+            chunk and chunk.prompt_segments)
+        return Step(allocate, release, tuple(preempted), rounds, rows, owners, chunk, sampling, table, penalties,
+                    logprobs)
 
     def _free_slots(self) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.owner < 0)]
@@ -387,13 +425,18 @@ class LiveScheduler:
         self.pages.give_back(live.pages)
         live.pages, live.unread = [], collections.deque()
         self._table_changed = True
+        if live.placed:
+            self.grammar.release(live.row.constraint(0))
+            live.placed = False
 
     def _chunks(self, rounds: int, joiners: list, alone: bool = False) -> ChunkPlan | None:
         """The prompt tokens of a call's `rounds` rounds (one forward each), each round's segments planned after the
         one before (a prompt goes on where the last round left it); the rows whose last chunk runs in round j go to
         `joiners` as (live, j). None when no prompt token can go."""
+        # A penalized sequence that may join brings its whole sequence (penalties count over it).
+        history = self.history or any(live.penalized for live in self.requests.values() if not live.joined)
         plan = empty_chunk(self.prefill_chunk, self.chunk_sequences, self.width, self.stop_width, self.capacity,
-                           alone, self.max_len if self.history else 0, rounds)
+                           alone, self.max_len if history else 0, rounds, grammar=True)
         laid = False
         for j in range(rounds):
             segments = self._segments(0 if alone else rounds - 1 - j)
@@ -402,7 +445,9 @@ class LiveScheduler:
             laid = True
             for live in self._lay_out(plan, j, segments):
                 joiners.append((live, j))
-        return plan if laid else None
+        if not self.grammar.active:  # the chunk carries the constrained rows' states only while the pool has any
+            plan = dataclasses.replace(plan, grammar=None)
+        return dataclasses.replace(plan, prompt_segments=tuple(plan.prompt_segments)) if laid else None
 
     def _segments(self, after: int) -> list[tuple[_Live, int]]:
         """One forward's segments: up to prefill_chunk tokens of the prefilling sequences (oldest first), then of
@@ -464,8 +509,8 @@ class LiveScheduler:
     def _cached_prefix(self, live: _Live, sequence: np.ndarray) -> list[int]:
         """The cached pages of the longest prefix of whole pages of `sequence` (held now), leaving at least its last
         token to compute (its logits, its drafter output)."""
-        if not self.prefix_caching:
-            return []
+        if not self.prefix_caching or (live.asks("prompt_logprobs") and not live.prefilled):
+            return []  # a cached page holds no logits: a prompt whose logprobs are asked for is computed whole
         usable = (len(sequence) - 1) // self.pages.page_size
         return self.pages.lookup(self._keys(live, sequence, usable))
 
@@ -493,6 +538,11 @@ class LiveScheduler:
         at = 0
         for p, (live, take) in enumerate(segments):
             sequence, resume = live.sequence()
+            if not live.prefilled and live.asks("prompt_logprobs"):
+                plan.prompt_segments.append((j, int(self.owner[live.slot]), at, live.computed, take))
+            if live.row.penalties is not None:
+                for field in ("frequency", "presence", "repetition", "bias_ids", "bias"):
+                    getattr(plan.penalties, field)[j, p] = getattr(live.row.penalties, field)[0]
             plan.tokens[j, at : at + take] = sequence[live.computed : live.computed + take]
             plan.start[j, p], plan.slot[j, p] = live.computed, live.slot
             plan.table[j, p, : len(live.pages)] = live.pages
@@ -513,22 +563,45 @@ class LiveScheduler:
                 joined.append(live)
                 if plan.history is not None:
                     plan.history[j, p, : len(sequence)] = sequence
+                self._place(live, plan, j, p, resume)
             plan.cu[j, p + 1] = at
         plan.cu[j, len(segments) + 1 :] = at
         return joined
 
+    def _place(self, live: _Live, plan: ChunkPlan, j: int, p: int, resume: int) -> None:
+        """A joining constrained row's automaton laid out, and its state for round j's segment p: the initial one, or
+        a recompute's after every token it emitted (its resume token the last)."""
+        automaton = live.row.constraint(0)
+        if automaton is None:
+            return
+        k, offset = self.grammar.place(automaton)
+        live.placed = True
+        local = automaton.initial if resume < 0 else automaton.walk(live.tokens)
+        plan.grammar.table[j, p], plan.grammar.state[j, p] = k, offset + local if local >= 0 else grammar_lib.FREE
+
     def read(self, kind: str, gamma: int, owners: np.ndarray | None, outputs: np.ndarray,
-             chunk_owners: np.ndarray | None = None, synced: bool = True) -> list[Event]:
+             chunk_owners: np.ndarray | None = None, synced: bool = True, prompt_segments: tuple = ()) -> list[Event]:
         """The events of one operation's transfer: kind "rounds" ([R, rows + P, ...]: each round's rows, then its
         chunk's P segments when chunk_owners [R, P] is given; owners [R, rows]: the request id of each row in each
         round when it was dispatched, -1: none) or "chunk" (a call of its own: [P, ...], chunk_owners [P]);
         chunk_owners: each segment's request whose prompt it ended (-1: none); synced: whether the call left its
         rows' drafter KV up to date (it drafted, or brought held pairs in), so that their full committed pages may
         be cached. A round's rows are read before its chunk's first tokens, which come before the rounds their rows
-        join. A recompute's chunk reports nothing."""
+        join. A recompute's chunk reports nothing. prompt_segments: the chunks' ChunkPlan.prompt_segments, whose
+        prompt-logprob rows follow each chunk's P rows (spec_round._prompt_rows)."""
         if kind == "chunk":
-            return self._read_first_tokens(gamma, chunk_owners, outputs)
+            P = chunk_owners.shape[0]
+            if prompt_segments:
+                self._read_prompt_logprobs(prompt_segments,
+                                           [RoundOutput.unpack(outputs[P:], gamma, self.tree_nodes).logprobs[:, 0]])
+            return self._read_first_tokens(gamma, chunk_owners, outputs[:P])
         rows = owners.shape[1]
+        if prompt_segments:
+            P = chunk_owners.shape[1]
+            self._read_prompt_logprobs(prompt_segments, [
+                RoundOutput.unpack(outputs[j, rows + P:], gamma, self.tree_nodes).logprobs[:, 0]
+                for j in range(outputs.shape[0])])
+            outputs = outputs[:, : rows + P]
         for r in set(owners.ravel().tolist()):
             live = self.requests.get(r)
             if live is not None and live.slot >= 0 and self.owner[live.slot] == r and live.unread:
@@ -540,6 +613,22 @@ class LiveScheduler:
                 events += self._read_first_tokens(gamma, chunk_owners[j], outputs[j, rows:])
         return events
 
+    def _read_prompt_logprobs(self, segments: tuple, columns: list[np.ndarray]) -> None:
+        """Each asking segment's prompt logprobs (round j's chunk position i: columns[j][i], the next token's), kept
+        on its request by position until its first token's event carries them; the position after a prompt's last
+        (its first token's) is the first token's own report."""
+        for j, r, offset, start, take in segments:
+            live = self.requests.get(r)
+            if live is None or live.prefilled:
+                continue
+            prompt = int(live.row.lengths[0])
+            if live.prompt_logprobs is None:
+                live.prompt_logprobs = [None] * prompt
+            k = int(live.row.prompt_logprobs[0])
+            for t, entry in enumerate(logprobs_lib.unpack(columns[j][offset : offset + take], k)):
+                if start + t + 1 < prompt:
+                    live.prompt_logprobs[start + t + 1] = entry
+
     def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
         events = []
         out = RoundOutput.unpack(outputs, gamma, self.tree_nodes)
@@ -547,9 +636,17 @@ class LiveScheduler:
             live = self.requests.get(r)
             if live is None or live.slot < 0 or self.owner[live.slot] != r or live.prefilled:
                 continue  # gone, or a recompute (its first token was reported once)
+            prompt = live.prompt_logprobs if live.asks("prompt_logprobs") else None
             events.append(self._emitted(live, r, out.tokens[p], bool(out.done[p]), 0, 0, None, None, True,
-                                        live.cached_tokens))
+                                        live.cached_tokens, self._logprobs(live, out, p), prompt))
         return events
+
+    @staticmethod
+    def _logprobs(live: _Live, out: RoundOutput, row: int) -> list | None:
+        """The logprobs of the tokens `out` emitted in `row`, when live's request asks for them."""
+        if not live.asks("logprobs") or out.logprobs is None:
+            return None
+        return logprobs_lib.unpack(out.logprobs[row, : len(out.tokens[row])], int(live.row.logprobs[0]))
 
     def _read_round(self, gamma: int, owners: np.ndarray, packed: np.ndarray, synced: bool) -> list[Event]:
         events = []
@@ -569,11 +666,13 @@ class LiveScheduler:
             new = out.tokens[row]
             events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
                                         (self.tree_nodes or gamma) if speculative and new else 0,
-                                        gamma if speculative else None, traces[row] if traces else None, synced))
+                                        gamma if speculative else None, traces[row] if traces else None, synced,
+                                        logprobs=self._logprobs(live, out, row)))
         return events
 
     def _emitted(self, live: _Live, request_id: int, new: list[int], done: bool, accepted: int, drafted: int, gamma,
-                 trace, synced: bool, cached: int = 0) -> Event:
+                 trace, synced: bool, cached: int = 0, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None) -> Event:
         """A read's tokens for `live`: its progress, its full committed pages into the cache (while its drafter is
         up to date: synced), and, when done, its slot and pages free."""
         live.left -= len(new)
@@ -585,16 +684,20 @@ class LiveScheduler:
         reason = None
         if done:
             reason = "stop" if new and live.row.is_stop(0, new[-1]) else "length"
+            automaton = live.row.constraint(0)
+            if automaton is not None and new and new[-1] in automaton.eos:
+                new = new[:-1]  # a constrained row's end: its output is the constrained text alone
             self._free_slot(live)  # done on the device already: nothing to release
             del self.requests[request_id]
-        return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached)
+        return Event(request_id, new, accepted, drafted, done, reason, gamma, trace, cached, logprobs, prompt_logprobs)
 
 
 def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: int, alone: bool,
-                history: int = 0, rounds: int = 1) -> ChunkPlan:
+                history: int = 0, rounds: int = 1, grammar: bool = False) -> ChunkPlan:
     """Chunks of no sequence (nothing is written, nothing joins) of these shapes, one per round of `rounds`: tokens
     [tokens], segments [sequences], page tables of `width`, stop ids of `stop_width`, slots of a pool of `size`
-    (none), and histories of `history` tokens (0: none)."""
+    (none), histories of `history` tokens (0: none), and the segments' automaton states when `grammar` (all free).
+    """
     R, P = rounds, sequences
     settings = SamplingParams(np.zeros((R, P), np.float32), np.zeros((R, P), np.int32), np.ones((R, P), np.float32),
                               np.zeros((R, P, 2), np.uint32))
@@ -602,19 +705,25 @@ def empty_chunk(tokens: int, sequences: int, width: int, stop_width: int, size: 
                      np.full((R, P, width), -1, np.int32), np.zeros((R, P), bool), np.full((R, P), size, np.int32),
                      np.full((R, P), -1, np.int32), np.zeros((R, P), np.int32), np.ones((R, P), np.int32),
                      np.full((R, P, stop_width), -1, np.int32), settings, np.full((R, P), -1, np.int64), alone,
-                     np.zeros((R, P, history), np.int32) if history else None)
+                     np.zeros((R, P, history), np.int32) if history else None,
+                     grammar_lib.Rows(np.zeros((R, P), np.int32), np.full((R, P), grammar_lib.FREE, np.int32))
+                     if grammar else None,
+                     jax.tree.map(lambda x: np.tile(x, (R,) + (1,) * x.ndim), Penalties.neutral(P)), [])
 
 
 def live_row(prompt, max_new_tokens, stop_token_ids=(), *, max_len: int, vocab_size: int, stop_width: int,
-             temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Request:
+             constraint=None, **settings) -> Request:
     """One prompt checked as Engine.generate checks it (ValueError naming any bad value), as a one-row request
     whose stop ids are padded to the pool's `stop_width` (more are refused) and whose sampling settings are set
-    even when greedy (temperature 0), so that every row of a live pool has the same fields."""
+    even when greedy (temperature 0), so that every row of a live pool has the same fields. settings:
+    Request.build's (sampling, penalties, logit_bias, logprobs)."""
     stops = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else stop_token_ids
     if isinstance(stops, list) and len(stops) > stop_width:
         raise ValueError(f"at most {stop_width} stop token ids per request, got {len(stops)}")
     row = Request.build([prompt], max_new_tokens, stops, max_len=max_len, vocab_size=vocab_size,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                        constraints=[constraint], **settings)
+    if row.stop_ids.shape[1] > stop_width and np.sum(row.stop_ids[0] >= 0) > stop_width:
+        raise ValueError(f"at most {stop_width} stop token ids per request, the constraint's end ids included")
     stop_ids = np.full((1, stop_width), -1, np.int32)
     given = row.stop_ids[0][row.stop_ids[0] >= 0]
     stop_ids[0, : len(given)] = given
@@ -663,6 +772,17 @@ def stack(rows: list[Request], num_rows: int, max_len: int) -> Request:
 
     sampling = SamplingParams(*(cat(lambda r, f=f: getattr(r.sampling, f)) for f in
                                 ("temperature", "top_k", "top_p", "seed")))
+    penalties = None
+    if any(r.penalties is not None for r in rows):
+        penalties = Penalties(*(cat(lambda r, f=f: getattr(r.penalties or Penalties.neutral(1), f)) for f in
+                                ("frequency", "presence", "repetition", "bias_ids", "bias")))
+
+    def counts(field):
+        none = np.full((1,), -1, np.int32)
+        return None if all(getattr(r, field) is None for r in rows) else cat(lambda r: getattr(r, field) if
+                                                                            getattr(r, field) is not None else none)
+
     together = Request(tokens, cat(lambda r: r.lengths), cat(lambda r: r.max_new), cat(lambda r: r.stop_ids),
-                       sampling)
+                       sampling, penalties=penalties, logprobs=counts("logprobs"),
+                       prompt_logprobs=counts("prompt_logprobs"))
     return together.take(list(range(len(rows))), num_rows, max_len)

@@ -24,10 +24,16 @@ def release(rows: spec_round.DecodeState, slots) -> spec_round.DecodeState:
 
 
 def take(rows: spec_round.DecodeState, index) -> spec_round.DecodeState:
-    """The rows of the slots `index` [b] (distinct), as a state of b rows."""
-    return jax.tree.map(lambda x: x[index], rows)
+    """The rows of the slots `index` [b] (distinct), as a state of b rows (with the pool's grammar tables, which are
+    no row's)."""
+    tables = rows.grammar_tables
+    part = jax.tree.map(lambda x: x[index], dataclasses.replace(rows, grammar_tables=None))
+    return dataclasses.replace(part, grammar_tables=tables)
 
 
 def put(rows: spec_round.DecodeState, index, part: spec_round.DecodeState) -> spec_round.DecodeState:
     """`rows` with the slots `index` [b] (distinct) replaced by `part`'s b rows."""
-    return jax.tree.map(lambda whole, new: whole.at[index].set(new), rows, part)
+    tables = rows.grammar_tables
+    whole = jax.tree.map(lambda whole, new: whole.at[index].set(new), dataclasses.replace(rows, grammar_tables=None),
+                         dataclasses.replace(part, grammar_tables=None))
+    return dataclasses.replace(whole, grammar_tables=tables)

@@ -39,12 +39,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import grammar as grammar_lib
+from eagle3_jax.decoding import logprobs as logprobs_lib
+from eagle3_jax.decoding import penalties as penalties_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
-from eagle3_jax.decoding.prompt_lookup import PromptLookup
+from eagle3_jax.decoding.prompt_lookup import NO_DRAFT, PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
 from eagle3_jax.models.collectives import Shards, Vocab
@@ -81,6 +84,12 @@ class DecodeState:
     sampling: sampling_lib.SamplingParams | None = None
     held: HeldPairs | None = None  # pairs gamma-0 calls held back from the drafter; None unless StepSpec.held
     history: jax.Array | None = None  # [B, max_len] int32 prompt lookup's x_0 .. x_n
+    # penalties and logit_bias (penalties.py): every row's settings, and a penalized row's sequence; None on a mesh
+    penalty: penalties_lib.PenaltyState | None = None
+    # Structured outputs (decoding/grammar.py): each row's automaton state (FREE: unconstrained), and the pool's
+    # automata (no batch axis); both None while no row of the pool is constrained.
+    grammar: grammar_lib.Rows | None = None
+    grammar_tables: grammar_lib.Tables | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,16 @@ class StepSpec:
     flush: bool = True
     # Tensor parallel: the mesh axis the target is split over (target is then the per-device config).
     tp: Shards | None = None
+    # The rows' penalties and logit_bias applied to the target's logits (penalties.py); off, a step reads none.
+    penalties: bool = False
+    # Each emitted token's logprob and most likely alternatives packed into the output (logprobs.py, round_output).
+    logprobs: bool = False
+    # Each chunk (in a round's forward, or a call of its own) also reports every position's next-token logprobs
+    # (`_prompt_rows`; with logprobs).
+    prompt_logprobs: bool = False
+    # Constrained rows' drafts follow their automata too (masked proposals); False drafts unconstrained (lossless
+    # either way: the target's side is masked), for measuring what the masks gain.
+    constrain_drafts: bool = True
     # A draft tree (decoding/tree.py; EAGLE-3 only) instead of a chain: each round drafts its nodes and accepts one
     # root path, gamma being its depth. None: the chain of gamma drafts.
     tree: tree_lib.TreeShape | None = None
@@ -177,6 +196,11 @@ class Chunk:
     stop_ids: jax.Array  # [P, width] int32
     sampling: sampling_lib.SamplingParams  # [P] each sequence's settings (greedy: temperature 0)
     history: jax.Array | None = None  # [P, max_len] int32: a final segment's whole sequence, for a proposer's history
+    # [P] each sequence's penalties and logit_bias (a penalized final segment's chunk carries its history too)
+    penalties: penalties_lib.Penalties | None = None
+    # [P] a final segment's automaton and state (grammar.Rows): its initial state, or a recompute's state after its
+    # resume token; present whenever the pool's grammar is
+    grammar: grammar_lib.Rows | None = None
 
     @property
     def layout(self) -> Layout:
@@ -212,7 +236,8 @@ def new_rows(spec: StepSpec, batch: int, width: int, stop_width: int, dtype) -> 
     rows = DecodeState(target_pages=None, draft_pages=None, page_table=jnp.full((batch, width), -1, jnp.int32),
                        lengths=zeros, draft_lengths=None, last_token=zeros, draft_hidden=None, num_generated=zeros,
                        max_new=zeros, stop_ids=jnp.full((batch, stop_width), -1, jnp.int32),
-                       done=jnp.ones((batch,), bool), sampling=settings, held=held)
+                       done=jnp.ones((batch,), bool), sampling=settings, held=held,
+                       penalty=penalties_lib.new_rows(batch, spec.max_len) if spec.tp is None else None)
     own = spec.proposer.new_rows(batch, spec, dtype) if spec.proposer is not None else {}
     return dataclasses.replace(rows, **own)
 
@@ -229,38 +254,73 @@ def with_pages(rows: DecodeState, pages: tuple[KVPages, KVPages | None]) -> Deco
 def prefill(tparams, dparams, state: DecodeState, chunk: Chunk, *, spec: StepSpec):
     """A call of the chunk alone, over every slot (an exact engine prefills so: its kernels' results must not
     depend on rows beside the chunk): its target forward, then `admit` -> (state, the chunk's output packed
-    [P, width])."""
+    [P, width]; with `spec.prompt_logprobs`, then the chunk's `_prompt_rows` [C, width])."""
     hidden, target_pages, features = target_lib.forward(tparams, spec.target, chunk.tokens[None], state.target_pages,
                                                         chunk.layout, spec.capture_layers, spec.kernels, spec.tp)
     state = dataclasses.replace(state, target_pages=target_pages)
     logits = target_lib.logits(tparams, hidden[0, chunk.last])
-    return admit(tparams, dparams, state, chunk, logits, None if features is None else features[0], spec)
+    state, packed = admit(tparams, dparams, state, chunk, logits, None if features is None else features[0], spec)
+    if not spec.prompt_logprobs:
+        return state, packed
+    return state, jnp.concatenate([packed, _prompt_rows(tparams, hidden[0], chunk, spec)])
+
+
+def _prompt_rows(tparams, hidden, chunk: Chunk, spec: StepSpec) -> jax.Array:
+    """A chunk's prompt logprobs from its forward's final hidden states [C, D] (no second forward): [C, width] rows
+    whose first logprobs columns hold chunk position j's next-token logprobs (logprobs.prompt_columns); the host
+    keeps those of the segments that asked."""
+    C = chunk.tokens.shape[0]
+    columns = logprobs_lib.prompt_columns(tparams, hidden, _successors(chunk, chunk.next_token), spec.kernels)
+    zeros = jnp.zeros((C,), jnp.int32)
+    at_first = jnp.zeros((C, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(columns)
+    return round_output.pack(jnp.zeros((C, spec.gamma + 1), jnp.int32), jnp.zeros((C, spec.gamma), jnp.int32), zeros,
+                             zeros, zeros, logprobs=at_first, tree=_no_tree(spec, C))
+
+
+def _no_tree(spec: StepSpec, rows: int):
+    """A tree round's columns (round_output) for `rows` rows that are no round's (a chunk's): zeros; None, a chain's."""
+    if spec.tree is None:
+        return None
+    return (jnp.zeros((rows, spec.tree.nodes), jnp.int32),) * 2 + (jnp.zeros((rows, spec.gamma), jnp.int32),)
+
+
+def _successors(chunk: Chunk, after) -> jax.Array:
+    """[C] each chunk token's next token: the next of its segment, or after [P] at a segment's last token."""
+    C, P = chunk.tokens.shape[0], chunk.start.shape[0]
+    successor = jnp.concatenate([chunk.tokens[1:], chunk.tokens[:1]])
+    seq = chunk.layout.seq
+    is_last = jnp.arange(C) == chunk.last[jnp.minimum(seq, P - 1)]
+    return jnp.where(is_last & (seq < P), after[jnp.minimum(seq, P - 1)], successor)
 
 
 def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, spec: StepSpec):
     """What a chunk's target forward leaves (the logits at each segment's last token [P, V], features [C, F] or
     None) turned into the proposer's KV for the chunk and, for each final segment, its first token and its row in
     its slot -> (state, the chunk's output packed [P, width]: a drawn first token emitted, a recompute's not)."""
-    C, P = chunk.tokens.shape[0], chunk.start.shape[0]
+    P = chunk.start.shape[0]
     seg_len = chunk.cu[1:] - chunk.cu[:-1]
-    last = chunk.last
     n = chunk.lengths
     vocab = _vocab(spec)
-    first = vocab.argmax(logits)
+    # A penalized sequence's chunk carries its history (the whole sequence), from which its penalties count.
+    penalized = spec.penalties and state.penalty is not None and chunk.history is not None
+    prompt_lengths = penalties_lib.prompt_lengths_of(n, chunk.generated)
+    scored = logits  # the logprobs below stay the raw logits'
+    if penalized:
+        scored = penalties_lib.first_logits(logits, chunk.penalties, chunk.history, n, prompt_lengths)
+    if chunk.grammar is not None:  # a constrained row's first token follows its automaton
+        scored = grammar_lib.mask(state.grammar_tables, chunk.grammar.table, chunk.grammar.state[:, None],
+                                  scored[:, None])[:, 0]
+    first = vocab.argmax(scored)
     if spec.sampling:
         s = chunk.sampling
-        probs = sampling_lib.filtered_probs(logits, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
+        probs = sampling_lib.filtered_probs(scored, s.temperature, s.top_k, s.top_p, vocab, filter=spec.filter)
         drawn = sampling_lib.first_token(sampling_lib.row_keys(s.seed, n), probs, vocab)
         first = jnp.where(s.greedy, first, drawn)
     final = chunk.final & (seg_len > 0)
     resumed = final & (chunk.next_token >= 0)
     first = jnp.where(resumed, chunk.next_token, first)
     # Each token's successor, for the proposer's pairs: the next token of its segment, then the one after it.
-    after = jnp.where(final, first, chunk.next_token)
-    successor = jnp.concatenate([chunk.tokens[1:], chunk.tokens[:1]])
-    seq = chunk.layout.seq
-    is_last = jnp.arange(C) == last[jnp.minimum(seq, P - 1)]
-    successor = jnp.where(is_last & (seq < P), after[jnp.minimum(seq, P - 1)], successor)
+    successor = _successors(chunk, jnp.where(final, first, chunk.next_token))
     own = {}
     if spec.proposer is not None:
         state, own = spec.proposer.admit(dparams, tparams, spec, state, chunk, successor, features, first, final)
@@ -270,15 +330,26 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     num_emit, done = jnp.where(resumed, 0, num_emit), jnp.where(resumed, False, done)
     joined = {"page_table": chunk.table, "lengths": n, "last_token": first, "num_generated": chunk.generated + num_emit,
               "max_new": chunk.max_new, "stop_ids": chunk.stop_ids, "done": done, "sampling": chunk.sampling, **own}
+    if chunk.grammar is not None:
+        g = chunk.grammar
+        joined["grammar"] = dataclasses.replace(g, state=jnp.where(
+            resumed, g.state, grammar_lib.advance(state.grammar_tables, g.table, g.state, first)))
     slots = jnp.where(final, chunk.slot, state.done.shape[0])  # a segment that does not end its prompt: dropped
     state = dataclasses.replace(state, **{name: jax.tree.map(lambda pool, new: pool.at[slots].set(new, mode="drop"),
                                                              getattr(state, name), value)
                                           for name, value in joined.items()})
+    if state.penalty is not None and chunk.penalties is not None:  # every joining row's settings: no stale ones
+        state = dataclasses.replace(state, penalty=penalties_lib.admitted(
+            state.penalty, slots, chunk.penalties, chunk.history, n, prompt_lengths, first, penalized))
     unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width (a tree's columns too): one unpacking
     zeros = jnp.zeros((P,), jnp.int32)
-    no_tree = None if spec.tree is None else (jnp.zeros((P, spec.tree.nodes), jnp.int32),) * 2 + (unused,)
+    logprobs = None
+    if spec.logprobs:  # the first token's, from the raw logits, then a round's unused positions
+        logprobs = jnp.zeros((P, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(
+            logprobs_lib.columns(logits, first))
     packed = round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused,
-                               jnp.where(final, num_emit, 0), zeros, final & done, tree=no_tree)
+                               jnp.where(final, num_emit, 0), zeros, final & done, logprobs=logprobs,
+                               tree=_no_tree(spec, P))
     return state, packed
 
 
@@ -312,7 +383,7 @@ def _verify(state: DecodeState, logits, drafts, draft_q, q_ids, keys, room, spec
 def _target_step(tparams, state: DecodeState, layout: Layout, tokens, chunk: Chunk | None, spec: StepSpec):
     """The round's target forward over the rows' tokens [B, T] at `layout`, a chunk's tokens riding in it: (logits
     [B, T, V], the target's pages, features [B, T, C] or None, the chunk's (logits at its segments' last tokens,
-    features [C, F] or None), or None without a chunk)."""
+    features [C, F] or None, its `_prompt_rows` with spec.prompt_logprobs or None), or None without a chunk)."""
     B, T = tokens.shape
     flat = tokens
     if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
@@ -325,7 +396,8 @@ def _target_step(tparams, state: DecodeState, layout: Layout, tokens, chunk: Chu
     # One lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read.
     last = hidden[0, B * T + chunk.last]
     both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
-    chunk_out = (both[B * T:], None if features is None else features[0, B * T:])
+    chunk_out = (both[B * T:], None if features is None else features[0, B * T:],
+                 _prompt_rows(tparams, hidden[0, B * T:], chunk, spec) if spec.prompt_logprobs else None)
     features = None if features is None else features[0, : B * T].reshape(B, T, -1)
     return both[: B * T].reshape(B, T, -1), target_pages, features, chunk_out
 
@@ -333,8 +405,10 @@ def _target_step(tparams, state: DecodeState, layout: Layout, tokens, chunk: Chu
 def _tree_round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
     """`_round` with a draft tree (spec.tree, decoding/tree.py): the drafter's tree, its root and nodes verified in
     one target forward under the tree's mask, one root path accepted (greedily, or by the multi-draft rule for
-    sampled rows), its target KV copied into position order and the drafter rebuilt along it. The features it
-    returns are the path's [B, depth + 1, C]."""
+    sampled rows), its target KV copied into position order and the drafter rebuilt along it. Penalties count each
+    node's ancestors, a constrained row's masks follow its automaton down each branch, and logprobs are the path's.
+    The features it returns are the path's [B, depth + 1, C]. A constrained row's tree is drafted unconstrained
+    (lossless all the same: the target's side is masked)."""
     n, shape, vocab = state.lengths, spec.tree, _vocab(spec)
     B, D = n.shape[0], shape.depth
     room = spec.max_len - n - 2  # as a chain's: the committed sequence may reach max_len
@@ -345,12 +419,20 @@ def _tree_round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chu
         tokens = jnp.concatenate([state.last_token[:, None], tree.tokens], axis=1)
         logits, target_pages, features, chunk_out = _target_step(tparams, state, tree.layout(state.page_table, n, live),
                                                                  tokens, chunk, spec)
+        # As a chain's: penalties and logit_bias (each node counting its path's tokens), then the constrained rows'
+        # masks (each node at its automaton state down its branch); the logprobs below stay the raw logits'.
+        scored = logits
+        if spec.penalties:
+            scored = penalties_lib.tree_logits(logits, state.penalty, n, tree.tokens, tree.ancestors)
+        if state.grammar is not None:
+            states = tree_lib.automaton_states(state.grammar_tables, state.grammar, tree, D)
+            scored = grammar_lib.mask(state.grammar_tables, state.grammar.table, states, scored)
         ok = tree_lib.usable(tree, room, spec.max_len - n)
-        path, accepted, choices = tree_lib.greedy_path(tree, vocab.argmax(logits), ok, D)
+        path, accepted, choices = tree_lib.greedy_path(tree, vocab.argmax(scored), ok, D)
         if spec.sampling:
             s = state.sampling
             keys = sampling_lib.row_keys(s.seed, n + 1)  # as a chain round's: the first token it emits
-            drawn = tree_lib.sampled_path(tree, logits, s, keys, ok, D, vocab, filter=spec.filter)
+            drawn = tree_lib.sampled_path(tree, scored, s, keys, ok, D, vocab, filter=spec.filter)
             path, accepted, choices = (jnp.where(s.greedy.reshape((B,) + (1,) * (x.ndim - 1)), x, y)
                                        for x, y in zip((path, accepted, choices), drawn))
     new_length = jnp.where(live, n + accepted + 1, n)
@@ -363,13 +445,23 @@ def _tree_round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chu
         num_generated=state.num_generated + num_emit,
         done=done,
     )
+    if spec.penalties:
+        new_state = dataclasses.replace(new_state, penalty=penalties_lib.committed(state.penalty, n, choices,
+                                                                                   state.done))
+    if state.grammar is not None:
+        new_state = dataclasses.replace(new_state, grammar=grammar_lib.committed(
+            state.grammar_tables, state.grammar, jnp.take_along_axis(states, path, axis=1), choices, accepted, live))
     features = None if features is None else jnp.take_along_axis(features, path[:, :, None], axis=1)
     with jax.named_scope("rebuild"):
         new_state = spec.proposer.update(dparams, tparams, state, new_state, carry, choices, accepted, features, spec)
     depth = jnp.arange(1, D + 1)[None, :]
     drafts = jnp.where(depth <= accepted[:, None], jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:] - 1, 0), 1),
                        -1)
-    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done,
+    logprobs = None
+    if spec.logprobs:  # each choice's, from the raw logits of the path's node that chose it
+        along = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+        logprobs = logprobs_lib.columns(along.reshape(B * (D + 1), -1), choices.reshape(-1)).reshape(B, D + 1, -1)
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, logprobs=logprobs,
                                tree=(tree.tokens, tree.parents[:, 1:], path[:, 1:]))
     return new_state, packed, features, chunk_out
 
@@ -385,7 +477,8 @@ def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
 
 def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
     """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None) and,
-    with a chunk riding in its target forward, the chunk's (hidden [C, D], features [C, F] or None) (else None)."""
+    with a chunk riding in its target forward, the chunk's (logits at its segments' last tokens [P, V], features
+    [C, F] or None, its `_prompt_rows` [C, width] with spec.prompt_logprobs or None) (else None)."""
     if spec.tree is not None:
         return _tree_round(tparams, dparams, state, spec, chunk)
     n = state.lengths
@@ -398,6 +491,9 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     if G > 0:
         with jax.named_scope("draft"):
             drafts, draft_q, q_ids, carry = proposer.propose(dparams, tparams, state, keys, spec)
+        if state.grammar is not None and proposer.partial and spec.constrain_drafts:
+            drafts = grammar_lib.cut(state.grammar, grammar_lib.along(state.grammar_tables, state.grammar, drafts),
+                                     drafts, NO_DRAFT)
         verified = drafts
         # Drafts past a row's proposal are never judged; they go through verify as token 0 (static shapes), and
         # their entries lie past the committed length, stale.
@@ -409,9 +505,16 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         drafts = jnp.zeros((B, 0), jnp.int32)
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
-        layout = Layout.uniform(state.page_table, n, verify_tokens.shape[1], ~state.done)
+        T = verify_tokens.shape[1]
+        layout = Layout.uniform(state.page_table, n, T, ~state.done)
         logits, target_pages, features, chunk_out = _target_step(tparams, state, layout, verify_tokens, chunk, spec)
-        choices, accepted = _verify(state, logits, drafts, draft_q, q_ids, keys, room, spec)
+        # The rows' penalties and logit_bias, each position counting the drafts before it (penalties.py), then the
+        # constrained rows' masks; the logprobs below stay the raw logits'.
+        scored = penalties_lib.verify_logits(logits, state.penalty, n, drafts) if spec.penalties else logits
+        if state.grammar is not None:  # the target's choices follow each row's automaton along the drafts
+            states = grammar_lib.along(state.grammar_tables, state.grammar, drafts)
+            scored = grammar_lib.mask(state.grammar_tables, state.grammar.table, states, scored)
+        choices, accepted = _verify(state, scored, drafts, draft_q, q_ids, keys, room, spec)
     live = ~state.done
     new_length = jnp.where(live, n + accepted + 1, n)
     num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
@@ -424,6 +527,12 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         num_generated=state.num_generated + num_emit,
         done=done,
     )
+    if spec.penalties:
+        new_state = dataclasses.replace(new_state, penalty=penalties_lib.committed(state.penalty, n, choices,
+                                                                                   state.done))
+    if state.grammar is not None:
+        new_state = dataclasses.replace(new_state, grammar=grammar_lib.committed(
+            state.grammar_tables, state.grammar, states, choices, accepted, live))
     shadow = None
     if proposer is not None and (G > 0 or not proposer_lib.holds_pairs(proposer)):
         with jax.named_scope("rebuild"):
@@ -432,7 +541,10 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
             shadow = proposer.shadow(state, choices, num_emit, spec)
     # A round cut short (a stop token inside the accepted span, max_new_tokens) commits only the drafts it
     # emits; a frozen row emits none.
-    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow)
+    logprobs = None
+    if spec.logprobs:  # each choice's, from the logits of the position that chose it
+        logprobs = logprobs_lib.columns(logits.reshape(B * T, -1), choices.reshape(-1)).reshape(B, T, -1)
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, shadow, logprobs)
     return new_state, packed, features, chunk_out
 
 
@@ -451,7 +563,8 @@ def spec_rounds(tparams, dparams, state: DecodeState, chunks: Chunk | None = Non
     chunks (a mixed call): a Chunk whose every array has a leading axis of num_rounds; round r's prompt tokens ride
     in round r's target forward (one read of the weights for both), and its final segments' rows join their slots
     (rows of the state) when round r ends (`admit`): a prompt whose last chunk runs in round r runs rounds r + 1
-    onwards of the same call."""
+    onwards of the same call. With spec.prompt_logprobs each round's chunk rows are followed by its C prompt-logprob
+    rows (`_prompt_rows`)."""
     held = spec.gamma == 0 and proposer_lib.holds_pairs(spec.proposer)
     if held and spec.held < num_rounds:
         raise ValueError(f"a gamma-0 call with a drafter holds its {num_rounds} rounds' pairs: StepSpec.held "
@@ -470,8 +583,9 @@ def _rounds(tparams, dparams, state: DecodeState, chunks, spec: StepSpec, rounds
         if held:
             new = _hold(s, new, features)
         if chunk is not None:
-            new, chunk_packed = admit(tparams, dparams, new, chunk, *chunk_out, spec)
-            packed = jnp.concatenate([packed, chunk_packed])
+            new, chunk_packed = admit(tparams, dparams, new, chunk, *chunk_out[:2], spec)
+            # with prompt logprobs, the chunk's rows of them last (_prompt_rows)
+            packed = jnp.concatenate([packed, chunk_packed] + ([chunk_out[2]] if spec.prompt_logprobs else []))
         return (new, touched | ~new.done), packed
 
     (end, touched), packed = jax.lax.scan(one, (state, ~state.done), chunks, length=rounds)

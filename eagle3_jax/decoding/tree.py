@@ -36,6 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import sampling as sampling_lib
 from eagle3_jax.models.collectives import FULL, Vocab
 from eagle3_jax.models.kv_cache import Layout, copy_entries, mask_words
@@ -116,6 +117,19 @@ def build(scores, tokens, parents, nodes: int, depth: int) -> Tree:
         ancestors = ancestors | jax.nn.one_hot(node, size, dtype=bool)
     return Tree(jnp.take_along_axis(tokens, chosen, axis=1), parent,
                 (jnp.sum(ancestors, axis=-1) - 1).astype(jnp.int32), ancestors)
+
+
+def automaton_states(tables: grammar_lib.Tables, rows: grammar_lib.Rows, tree: Tree, depth: int) -> jax.Array:
+    """[B, N + 1]: each node's automaton state (decoding/grammar.py) after its path's tokens, the root's the row's own
+    (FREE for a free row, and below a token its automaton does not allow): the chain's `grammar.along`, down every
+    branch, one level a step."""
+    states = jnp.broadcast_to(rows.state[:, None], tree.parents.shape)
+    tokens = jnp.concatenate([jnp.zeros_like(tree.tokens[:, :1]), tree.tokens], axis=1)
+    for _ in range(depth):  # a node's parent's state is right after as many steps as the parent's depth
+        after = grammar_lib.advance(tables, rows.table[:, None], jnp.take_along_axis(states, tree.parents, axis=1),
+                                    tokens)
+        states = jnp.where(jnp.arange(tree.parents.shape[1])[None, :] == 0, rows.state[:, None], after)
+    return states
 
 
 def usable(tree: Tree, room, slots_left) -> jax.Array:

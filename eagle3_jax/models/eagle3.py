@@ -115,7 +115,7 @@ def to_target_id(params, draft_id) -> jax.Array:
 
 
 def draft_chain(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_table, lengths, gamma: int,
-                kernels: str, propose=None, write=None, tp: Shards | None = None):
+                kernels: str, propose=None, write=None, tp: Shards | None = None, guide=None):
     """gamma drafts from hidden [B, D], the pre-norm output at the newest committed pair, for rows whose drafter
     has `lengths` [B] committed pairs in the pages of page_table [B, W].
 
@@ -124,27 +124,37 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_
     `propose(logits [B, Vd] float32, step)` is given: it returns (draft ids [B], q [B, Vd]), the draft
     vocabulary ids it drew and the distribution it drew them from, which sampled speculation needs.
     write [B] bool: the rows whose speculative entries are written (None: every row).
+    guide: None, or (carry, mask, advance) constraining the chain: mask(carry, logits [B, Vd]) -> logits (the
+    tokens not allowed at -inf) is applied before each choice, and advance(carry, target ids [B]) -> carry moves
+    along the chain's drafts (structured outputs: the carry is each row's automaton state).
     Returns drafts [B, gamma] (target ids), with `propose` also q [B, gamma, Vd], and the pages holding the
     speculative entries past each row's committed pairs (stale: the rebuild after verify overwrites them).
     """
-    def choose(h, step):
+    def choose(h, step, g):
+        if propose is None and guide is None:
+            return draft_token(params, cfg, h), None, g
+        logits = draft_logits(params, cfg, h)
+        if guide is not None:
+            logits = guide[1](g, logits)
         if propose is None:
-            return draft_token(params, cfg, h), None
-        draft_id, q = propose(draft_logits(params, cfg, h), step)
-        return to_target_id(params, draft_id), q
+            draft_id, q = jnp.argmax(logits, axis=-1), None
+        else:
+            draft_id, q = propose(logits, step)
+        token = to_target_id(params, draft_id)
+        return token, q, g if guide is None else guide[2](g, token)
 
-    first, first_q = choose(hidden, 0)
+    first, first_q, g = choose(hidden, 0, None if guide is None else guide[0])
 
     def step(carry, k):
-        h, token, buf = carry
+        h, token, buf, g = carry
         layout = Layout.uniform(page_table, lengths + k, 1, write)
         out, buf = forward(params, cfg, embed, h[:, None], token[:, None], buf, layout, kernels, tp)
         out = out[:, 0]
-        nxt, q = choose(out, k + 1)
-        return (carried(params, cfg, out), nxt, buf), (nxt, q)
+        nxt, q, g = choose(out, k + 1, g)
+        return (carried(params, cfg, out), nxt, buf, g), (nxt, q)
 
-    (_, _, pages_out), (rest, rest_q) = jax.lax.scan(step, (carried(params, cfg, hidden), first, pages),
-                                                     jnp.arange(gamma - 1, dtype=jnp.int32))
+    (_, _, pages_out, _), (rest, rest_q) = jax.lax.scan(step, (carried(params, cfg, hidden), first, pages, g),
+                                                        jnp.arange(gamma - 1, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
     if propose is None:
         return drafts, pages_out

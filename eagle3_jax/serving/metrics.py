@@ -46,8 +46,9 @@ def _metric(kind: str, name: str, help_text: str, value) -> list[str]:
 class Metrics:
     """What /metrics reports for one server."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, compilations=None):
         self.pool = pool
+        self.compilations = compilations  # warm_start.Compilations since the server started, or None
         self.ttft = Histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
                               TTFT_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds",
@@ -69,6 +70,10 @@ class Metrics:
                            self.pool.accepted_tokens)
                  + _metric("counter", "generation_tokens_total", "Tokens generated.", self.generation_tokens)
                  + _metric("counter", "prompt_tokens_total", "Prompt tokens admitted.", self.prompt_tokens))
+        if self.compilations is not None:
+            lines += _metric("counter", "backend_compilations_total",
+                             "XLA compilations since the server started (a program loaded from the persistent "
+                             "compilation cache is none).", self.compilations.count)
         name = PREFIX + "requests_finished_total"
         lines += [f"# HELP {name} Requests finished, by finish reason.", f"# TYPE {name} counter"]
         lines += [f'{name}{{finish_reason="{k}"}} {v}' for k, v in sorted(self.finished.items())]

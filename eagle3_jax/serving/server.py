@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import uvicorn
 from eagle3_jax.checkpoints.generation import generation_sampling
 from eagle3_jax.checkpoints.tokenizer import eos_stop_ids, load_tokenizer
 from eagle3_jax.serving.app import ServerState, build_app
+from eagle3_jax.serving.metrics import Metrics
 
 # A request that gives no sampling settings and finds none in generation_config.json samples at temperature 1,
 # as OpenAI's API does.
@@ -67,16 +67,20 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def warm_up(pool) -> None:
-    """One short greedy request through the pool, so that the first client does not wait for the compiler."""
-    done = threading.Event()
-    pool.submit(pool.check([0, 0], 2, temperature=0.0), lambda event: event.finished and done.set())
-    if not done.wait(3600) or pool.error is not None:
-        raise RuntimeError(f"the warm-up request failed: {pool.error!r}")
+def warm_up(engine, defaults: dict) -> int:
+    """Every program the server's pool can run compiled before the first client: the greedy build's, and the
+    sampling build its default settings take (generation_config.json's); a request of other filters compiles
+    its build on first use. With the persistent cache warm, nothing (Engine.compile). Returns the programs
+    compiled."""
+    programs = engine.compile()
+    if defaults.get("temperature", 0) > 0:
+        programs += engine.compile(samples=True, top_k=int(defaults.get("top_k", 0)))
+    return programs
 
 
 def serve(args) -> int:
     import eagle3_jax
+    from eagle3_jax.decoding import warm_start
     from eagle3_jax.decoding.live import LivePool
 
     tokenizer = load_tokenizer(args.target)
@@ -91,12 +95,15 @@ def serve(args) -> int:
                                kv_tokens=args.kv_tokens, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
                                rounds_per_call=args.rounds_per_call, draft_depth=args.draft_depth,
                                draft_top_k=args.draft_top_k)
+    compilations = warm_start.Compilations()  # /metrics reports them: none after a warm start
+    defaults = request_defaults(args.target)
+    programs = warm_up(engine, defaults)
+    print(f"compiled {programs} programs ahead", file=sys.stderr, flush=True)
     pool = LivePool(engine)
     try:
-        warm_up(pool)
         name = args.served_model_name or Path(args.target).resolve().name
-        state = ServerState(pool, tokenizer, name, request_defaults(args.target), eos_stop_ids(tokenizer),
-                            api_key=args.api_key)
+        state = ServerState(pool, tokenizer, name, defaults, eos_stop_ids(tokenizer), api_key=args.api_key,
+                            metrics=Metrics(pool, compilations))
         # log_config None: uvicorn's own dictConfig would shut down every logging handler in the process (absl's
         # closes its stream then); its loggers still take log_level.
         config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
