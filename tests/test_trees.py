@@ -194,6 +194,60 @@ def test_the_sampled_rule_is_a_walk_over_the_siblings():
         np.testing.assert_array_equal(match[b], expected)
 
 
+def random_tree(seed, B=6, N=7, D=3, K=3, V=16):
+    """A batch of trees of random candidates (build's), their tokens below V."""
+    rng = np.random.default_rng(seed)
+    C = K + (D - 1) * K * K
+    scores = jnp.asarray(-np.abs(rng.standard_normal((B, C))).cumsum(axis=1), jnp.float32)
+    parents = np.concatenate([np.full(K, -1), np.repeat(np.arange(K), K), np.repeat(K + np.arange(K), K)])
+    tokens = jnp.asarray(rng.integers(0, V, (B, C)), jnp.int32)
+    return tree.build(scores, tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (B, C)), N, D)
+
+
+def path_tokens(t, b, node):
+    """The tokens of the nodes from the root's child down to `node` (row b)."""
+    out, parents = [], np.asarray(t.parents[b])
+    while node:
+        out.insert(0, int(t.tokens[b, node - 1]))
+        node = int(parents[node])
+    return out
+
+
+def test_penalties_and_automaton_states_follow_each_branch():
+    """penalties.tree_logits at node j is verify_logits at the position after j's path, its path's tokens the drafts;
+    tree.automaton_states at node j is grammar.along's state after them: the chain's rules down every branch."""
+    from eagle3_jax.decoding import grammar, penalties
+
+    B, N, D, V, L = 6, 7, 3, 16, 24
+    t = random_tree(3, B, N, D, V=V)
+    rng = np.random.default_rng(4)
+    sequence = jnp.asarray(rng.integers(0, V, (B, L)), jnp.int32)
+    n = jnp.asarray(rng.integers(6, 12, B), jnp.int32)
+    settings = penalties.Penalties(jnp.asarray(rng.uniform(-2, 2, B), jnp.float32),
+                                   jnp.asarray(rng.uniform(-2, 2, B), jnp.float32),
+                                   jnp.asarray(rng.uniform(0.5, 2, B), jnp.float32),
+                                   jnp.asarray(np.where(np.arange(penalties.BIAS_WIDTH) < 2, 3, -1)[None].repeat(B, 0),
+                                               jnp.int32), jnp.full((B, penalties.BIAS_WIDTH), 1.5, jnp.float32))
+    pen = penalties.PenaltyState(settings, sequence, jnp.asarray(rng.integers(2, 6, B), jnp.int32))
+    logits = jnp.asarray(rng.standard_normal((B, N + 1, V)), jnp.float32)
+    got = np.asarray(penalties.tree_logits(logits, pen, n, t.tokens, t.ancestors))
+    # A toy automaton: 4 states, token classes by id % 3, class 2 never allowed from state 3.
+    nxt = np.array([[1, 2, 3], [0, 2, 1], [3, 3, 0], [1, 0, -1]], np.int32)
+    tables = grammar.Tables(jnp.asarray((np.arange(V) % 3)[None], jnp.int32), jnp.asarray(nxt))
+    rows = grammar.Rows(jnp.zeros((B,), jnp.int32), jnp.asarray(rng.integers(-1, 4, B), jnp.int32))
+    states = np.asarray(tree.automaton_states(tables, rows, t, D))
+    for b in range(B):
+        for node in range(N + 1):
+            drafts = jnp.asarray([path_tokens(t, b, node)], jnp.int32)
+            depth = drafts.shape[1]
+            one = jax.tree.map(lambda x: x[b : b + 1], pen)
+            chain = penalties.verify_logits(jnp.broadcast_to(logits[b : b + 1, node : node + 1], (1, depth + 1, V)),
+                                            one, n[b : b + 1], drafts)
+            np.testing.assert_allclose(got[b, node], np.asarray(chain[0, depth]), rtol=1e-6)
+            along = grammar.along(tables, jax.tree.map(lambda x: x[b : b + 1], rows), drafts)
+            assert states[b, node] == int(along[0, depth])
+
+
 # ----------------------------------------------------------------------------- through the engine
 
 
