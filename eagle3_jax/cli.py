@@ -114,6 +114,16 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
                         help="with --prompt-lookup: the shortest n-gram matched (default 1)")
 
 
+def add_tree_args(parser) -> None:
+    """--draft-depth and --draft-top-k: a draft tree (see eagle3_jax.Engine's draft_depth and draft_top_k)."""
+    parser.add_argument("--draft-top-k", type=int, default=1,
+                        help="beams of a draft tree: 1 (the default) drafts a chain of --num-draft-tokens; K > 1 "
+                             "verifies a tree of --num-draft-tokens nodes from --draft-depth steps of K beams "
+                             "(needs --drafter)")
+    parser.add_argument("--draft-depth", type=int,
+                        help="a draft tree's drafting steps (with --draft-top-k > 1; at most --num-draft-tokens)")
+
+
 def proposer_from_args(args):
     """The proposer `add_proposer_args`' flags choose, checked before any model loads: a PromptLookup, the
     drafter folder (to load against the target), or None."""
@@ -128,10 +138,14 @@ def proposer_from_args(args):
 
 
 def _check_gamma(args, proposer) -> None:
-    """The engine's gamma rules (engine_args.check_gamma) in the flags' names, before any model loads."""
+    """The engine's gamma and tree rules (engine_args.check_gamma, check_tree) in the flags' names, before any model
+    loads (a drafter folder drafts trees; prompt lookup does not)."""
     try:
-        engine_args.check_gamma(proposer is not None, args.num_draft_tokens, args.max_draft_tokens,
-                                on_mesh=args.tp != 1, names=engine_args.FLAGS)
+        _, auto = engine_args.check_gamma(proposer is not None, args.num_draft_tokens, args.max_draft_tokens,
+                                          on_mesh=args.tp != 1, names=engine_args.FLAGS)
+        engine_args.check_tree(isinstance(proposer, str), args.num_draft_tokens, args.draft_depth, args.draft_top_k,
+                               auto=auto, proposal=getattr(args, "proposal", DEFAULT_PROPOSAL),
+                               exact=getattr(args, "exact", False), on_mesh=args.tp != 1, names=engine_args.FLAGS)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -158,7 +172,8 @@ def _generate(args) -> int:
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                kernels=args.kernels, rounds_per_call=args.rounds_per_call, proposal=args.proposal,
                                exact=args.exact, max_draft_tokens=args.max_draft_tokens, mesh=mesh,
-                               prefill_chunk=args.prefill_chunk)
+                               prefill_chunk=args.prefill_chunk, draft_depth=args.draft_depth,
+                               draft_top_k=args.draft_top_k)
     stops = args.stop_ids or list(eos_stop_ids(tokenizer))
     vocab = target.config.vocab_size
     if args.stop_ids and not all(0 <= t < vocab for t in args.stop_ids):
@@ -187,7 +202,7 @@ def _generate(args) -> int:
         tau = sum(a + 1 for a in result.accept_lengths) / len(result.accept_lengths)
         print(f"tau (mean tokens per round) = {tau:.3f} over {len(result.accept_lengths)} rounds")
         counts = collections.Counter(result.accept_lengths)
-        for a in range(engine.num_draft_tokens + 1):
+        for a in range(engine.draft_depth + 1):
             print(f"  accepted {a}: {counts.get(a, 0):5d} {'#' * counts.get(a, 0)}")
         if engine.auto:
             used = collections.Counter(result.gammas)
@@ -291,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     gen.add_argument("--max-draft-tokens", type=int,
                      help="with --num-draft-tokens auto: the largest gamma it may pick (default 3)")
+    add_tree_args(gen)
     gen.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     gen.add_argument("--stop-ids", type=_ids("--stop-ids"), help="stop token ids (default: the tokenizer's eos)")
     gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
@@ -320,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
                      help="drafts per round, or 'auto': the engine picks 0 .. --max-draft-tokens per call")
     srv.add_argument("--max-draft-tokens", type=int, help="with --num-draft-tokens auto: the largest gamma (default 3)")
+    add_tree_args(srv)
     srv.add_argument("--max-len", type=int, help=MAX_LEN_HELP)
     srv.add_argument("--max-batch", type=int, help="slots of the pool (default: 256 on a GPU, 8 on the CPU)")
     srv.add_argument("--prefill-chunk", type=int, help=PREFILL_CHUNK_HELP)

@@ -20,6 +20,7 @@ from eagle3_jax.checkpoints.target import Target
 from eagle3_jax.decoding import spec_round
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.engine import ROUNDS_PER_CALL
+from eagle3_jax.decoding.tree import TreeShape
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models import kernels as kernels_lib
 from eagle3_jax.models import qwen3 as target_lib
@@ -103,12 +104,12 @@ def _target_kv(s: Setup, batch: int, length: int) -> int:
 
 
 def engine_call(s: Setup, batch: int, length: int, capacity: int, kernels: str, rounds: int,
-                gamma: int = 0) -> steps.EngineCall:
-    """The engine's call of `rounds` rounds (spec-off when gamma is 0) from a random state at `length`. Built
-    from its StepSpec directly: the ablation kernels (kernels_lib.ABLATION) are the model's to run, not
-    Engine's to offer."""
+                gamma: int = 0, tree: TreeShape | None = None) -> steps.EngineCall:
+    """The engine's call of `rounds` rounds (spec-off when gamma is 0; a draft tree's, gamma its depth, when `tree`
+    is given) from a random state at `length`. Built from its StepSpec directly: the ablation kernels
+    (kernels_lib.ABLATION) are the model's to run, not Engine's to offer."""
     spec = spec_round.StepSpec(target=s.plan.target, proposer=Eagle3(s.plan.drafter) if gamma else None, gamma=gamma,
-                               max_len=capacity, kernels=kernels)
+                               max_len=capacity, kernels=kernels, tree=tree)
     state = random_state((s.plan.target, s.plan.drafter), batch, length, capacity, s.dtype, with_drafter=gamma > 0)
     return steps.engine_rounds(spec, s.tparams, s.dparams if gamma else None, state, rounds, s.plan.reps,
                                s.plan.inner)
@@ -189,10 +190,13 @@ def chain(run: Run, s: Setup, batch: int, gamma: int, kernels: str) -> None:
                  steps.jit_step(steps.chain_step, 4, cfg=d, gamma=gamma, kernels=kernels), (h,), read)
 
 
-def spec_rounds(s: Setup, batch: int, gamma: int, kernels: str, rounds: int) -> steps.EngineCall:
-    """The engine's call of `rounds` speculative rounds from the plan's KV length, capacity L + 512."""
+def spec_rounds(s: Setup, batch: int, gamma: int, kernels: str, rounds: int,
+                tree: TreeShape | None = None) -> steps.EngineCall:
+    """The engine's call of `rounds` speculative rounds (a draft tree's, gamma its depth, when `tree` is given) from
+    the plan's KV length, capacity L + 512."""
     L = s.plan.spec_kv_length
-    return engine_call(s, batch, L, min(L + 512, s.plan.target.max_position_embeddings), kernels, rounds, gamma)
+    return engine_call(s, batch, L, min(L + 512, s.plan.target.max_position_embeddings), kernels, rounds, gamma,
+                       tree)
 
 
 def _parts(run: Run, batch: int, gamma: int, kernels: str) -> list[dict]:

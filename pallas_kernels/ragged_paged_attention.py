@@ -203,9 +203,11 @@ def split_blocks(num_keys, split, *, splits: int, block_kv: int):
     return lax.div(split * blocks, splits), lax.div((split + 1) * blocks, splits)
 
 
-def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, pairs, splits, group, tq, wgs):
+def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, config, pairs, splits, group, tq, wgs,
+            tree_words):
     # cu_q_ref [S + 1], kv_lens_ref [S], pt_ref [S, pages_per_seq] int32; q_ref [T, N, H];
-    # k_ref, v_ref [K, P, page_size, H], all in GMEM.
+    # k_ref, v_ref [K, P, page_size, H], all in GMEM; with a tree mask (tree_words > 0) also tree_start_ref [S] and
+    # tree_bits_ref [T, tree_words] int32.
     # outputs, one split: o_ref [T, N, H]; several: part_ref [splits, S * pairs * wgs, K, ROWS, H] q.dtype,
     #   lse_ref [splits, S * pairs * wgs, K, ROWS] f32 (base 2; -inf where a row saw no key).
     # scratch, per compute warpgroup: q_raw [wgs, ROWS, H] untiled (queries in, output out), q_tile
@@ -213,6 +215,7 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
     #   shared: k_smem, v_smem [stages, block_kv, H] swizzled.
     # A CTA owns `wgs` consecutive tiles of one sequence (a "pair" when wgs = 2), compute warpgroup c
     # tile pair * wgs + c; the loader (warpgroup wgs) fills the blocks the last of them needs.
+    tree_refs, refs = (refs[:2], refs[2:]) if tree_words else (None, refs)
     *outs, scratch = refs
     (q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scratch
     bkv, stages = config.block_kv, config.num_stages
@@ -243,7 +246,8 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
             _attend_tile(q_ref, outs, q_raw.at[wg], q_tile.at[wg], p_tile.at[wg], lse_smem.at[wg], k_smem, v_smem,
                          q_ready.at[wg], k_ready, v_ready, k_free, v_free, scale=scale, bkv=bkv, stages=stages,
                          group=G, tq=tq, dtype=dtype, head=head, split=split, part_index=work * wgs + wg,
-                         q_start=q_start, q_len=q_len, kv_len=kv_len, first=first, lo=lo, hi=hi)
+                         q_start=q_start, q_len=q_len, kv_len=kv_len, first=first, lo=lo, hi=hi,
+                         tree=None if tree_refs is None else (tree_refs[0][seq], tree_refs[1]))
 
         if wgs > 1:  # a tile past the sequence's queries still frees each slot the other one reads
 
@@ -287,10 +291,39 @@ def _kernel(cu_q_ref, kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, *refs, scale, co
                     plgpu.copy_gmem_to_smem(ref.at[head, page, rows], smem.at[slot, dest], ready.at[slot])
 
 
+def _row_words(bits_ref, q_start, first, tq, group):
+    """Each tile row's tree mask words (a list of tree_words [ROWS] int32 in the row layout): row r holds token
+    r // group's, read as scalars (a token past the batch reads the last one; its row is never stored)."""
+    token = lax.div(plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1)), group)
+    last = bits_ref.shape[0] - 1
+    words = []
+    for w in range(bits_ref.shape[1]):
+        word = plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.int32), plgpu.Layout.WGMMA.reduce(1))
+        for t in range(tq):
+            word = jnp.where(token == t, bits_ref[jnp.minimum(q_start + first + t, last), w], word)
+        words.append(word)
+    return words
+
+
+def _tree_visible(key, tree_start, words):
+    """[ROWS, bkv] bool: the keys a row's tree mask shows, every key before tree_start and, from it, key
+    tree_start + j where bit j of the row's words is set (word j // 32, bit j % 32)."""
+    rel = key - tree_start
+    shown = rel < 0
+    for w, word in enumerate(words):
+        shift = rel - 32 * w
+        bits = lax.broadcast_in_dim(word, key.shape, [0])
+        bit = lax.shift_right_logical(bits, jnp.clip(shift, 0, 31)) & 1
+        shown = shown | ((shift >= 0) & (shift < 32) & (bit != 0))
+    return shown
+
+
 def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free,
                  v_free, *, scale, bkv, stages, group, tq, dtype, head, split, part_index, q_start, q_len, kv_len,
-                 first, lo, hi):
-    """One compute warpgroup's tile: its queries in, key blocks [lo, hi) of the ring, its rows out."""
+                 first, lo, hi, tree=None):
+    """One compute warpgroup's tile: its queries in, key blocks [lo, hi) of the ring, its rows out. tree: None, or
+    (the sequence's tree start, tree_bits_ref): rows then also hide the keys from the tree start on that their mask
+    words do not show; the blocks before the tree start take the plain causal mask."""
     G = group
     for t in range(tq):  # one TMA per token: its G heads' rows (past the array: zeros)
         plgpu.copy_gmem_to_smem(q_ref.at[q_start + first + t, pl.ds(head * G, G)], q_raw.at[pl.ds(t * G, G)], q_ready)
@@ -307,7 +340,9 @@ def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q
     cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1, layout=plgpu.Layout.WGMMA)
     position = lax.div(rows, G) + (kv_len - q_len + first)  # of each row's token
 
-    def step(i, carry):
+    words = None if tree is None else _row_words(tree[1], q_start, first, tq, G)
+
+    def step(i, carry, masked=False):
         acc, m, l = carry
         slot = lax.rem(i - lo, stages)
         plgpu.barrier_wait(k_ready.at[slot])
@@ -318,7 +353,10 @@ def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        s = jnp.where(cols + i * bkv <= position, s * (scale * _LOG2E), -jnp.inf)
+        visible = cols + i * bkv <= position
+        if masked:
+            visible = visible & _tree_visible(cols + i * bkv, tree[0], words)
+        s = jnp.where(visible, s * (scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -335,7 +373,12 @@ def _attend_tile(q_ref, outs, q_raw, q_tile, p_tile, lse_smem, k_smem, v_smem, q
         plgpu.barrier_arrive(v_free.at[slot])
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l
 
-    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    if tree is None:
+        acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    else:  # the blocks wholly before the tree start need no tree mask
+        mid = jnp.clip(lax.div(tree[0], bkv), lo, hi)
+        carry = lax.fori_loop(lo, mid, step, carry)
+        acc, m, l = lax.fori_loop(mid, hi, functools.partial(step, masked=True), carry)
     seen = l > 0
     o = acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0])
     q_raw[...] = o.astype(dtype)
@@ -396,8 +439,10 @@ def merge_splits(part, lse, cu_q_lens, num_tokens: int, *, tiles: int, group: in
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "max_q_len", "uniform", "interpret"))
-def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, config, max_q_len, uniform, interpret):
+def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, tree_start, tree_bits, *, scale, config, max_q_len,
+            uniform, interpret):
     T, N, H = q.shape
+    tree_words = 0 if tree_bits is None else tree_bits.shape[1]
     K, _, page_size, _ = k_pages.shape
     S, pages_per_seq = page_table.shape
     G = N // K
@@ -419,7 +464,7 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
     def entry(*refs):
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, scale=scale, config=config, pairs=pairs, splits=splits, group=G,
-                                     tq=tq, wgs=wgs),
+                                     tq=tq, wgs=wgs, tree_words=tree_words),
             (
                 plgpu.SMEM((wgs, ROWS, H), q.dtype),
                 smem((wgs, ROWS, H), q.dtype),
@@ -449,15 +494,21 @@ def _ragged(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, confi
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(cu_q_lens, kv_lens, page_table, q, k_pages, v_pages)
+    )(cu_q_lens, kv_lens, page_table, q, k_pages, v_pages, *(() if tree_bits is None else (tree_start, tree_bits)))
     if splits == 1:
         return out
     return merge_splits(*out, cu_q_lens, T, tiles=tiles, group=G, tq=tq, uniform=uniform)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale, max_q_len=None,
-                           uniform=False, interpret=False, **static_tuning):
+                           uniform=False, tree_start=None, tree_bits=None, interpret=False, **static_tuning):
     """Causal GQA attention of a ragged batch of queries over paged K/V (module docstring: contract).
+
+    tree_start [S], tree_bits [T, W] int32 (both or neither): a tree mask (a draft tree's verify, or its drafting
+    steps). Query i of sequence s then also hides each key j >= tree_start[s] whose bit j - tree_start[s] (word
+    (j - tree_start[s]) // 32, bit % 32) of tree_bits[i] is clear: it sees the prefix before tree_start and, of the
+    keys from there on, those its bits name (its ancestors and itself). The causal rule still holds (keys past the
+    query's own slot stay hidden), so the keys a tile reads are those of a causal batch.
 
     max_q_len: a bound on every sequence's query count (static; default: the token count). It
     sets the tiles per sequence: give the step's own (1 for decode, gamma + 1 for verify, the chunk
@@ -478,8 +529,15 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, 
     config = RaggedPagedConfig.for_kernel(q.shape[2], q.dtype.itemsize, warpgroups, **static_tuning)
     if reason := unsupported(q, k_pages, v_pages, config, max_q_len=max_q_len, interpret=bool(interpret)):
         raise ValueError(f"Mosaic GPU ragged paged attention {reason}")
+    if (tree_start is None) != (tree_bits is None):
+        raise ValueError("tree_start and tree_bits come together: a tree mask needs both")
+    if tree_bits is not None and (tree_bits.ndim != 2 or tree_bits.shape[0] != q.shape[0]
+                                  or tree_start.shape != kv_lens.shape):
+        raise ValueError(f"tree_bits {tree_bits.shape} must be [{q.shape[0]}, words] and tree_start "
+                         f"{tree_start.shape} {kv_lens.shape}")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    tree = (None, None) if tree_bits is None else (tree_start.astype(jnp.int32), tree_bits.astype(jnp.int32))
     return _ragged(q, k_pages, v_pages, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32),
-                   cu_q_lens.astype(jnp.int32), scale=float(scale), config=config, max_q_len=max_q_len,
+                   cu_q_lens.astype(jnp.int32), *tree, scale=float(scale), config=config, max_q_len=max_q_len,
                    uniform=bool(uniform), interpret=interpret)

@@ -11,6 +11,11 @@
 * arc drafter (permutation world): predicts pi^2 of the captured token on the first half of the cycle
   (`ARC`; right) and pi^1 elsewhere (never right), so text walking the cycle alternates between stretches
   where the drafter is good and stretches where it is useless: the best gamma changes mid-request.
+* ladder drafter (permutation world), for draft trees: its distribution after every pair puts nearly all its
+  mass, nearly evenly, on pi^1 of the captured token, then pi^2, ..., pi^LADDER, in that order. Its output is the
+  captured one-hot at every step, so every node of a tree has those same children, and a tree's best candidates
+  are whole levels: the top-1 chain is never right (pi^1), while the tree path pi^2, pi^3, ... (the second
+  child, then the third, ...) is, to depth LADDER - 1.
 Drafters are written in SpecForge's real layout by tests/drafter_oracle.py and loaded through the
 public API.
 """
@@ -83,9 +88,12 @@ RANDOM2_SPEC = oracle.DraftSpec(hidden_size=D, intermediate_size=40, num_heads=2
                                 norm_before_residual=True, qk_norm=True)
 
 
+LADDER = 3  # the ladder drafter's powers of pi: a tree accepts up to LADDER - 1 drafts a round
+
+
 def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
-    """kind: "random", "constant" (always drafts 0), "pi2" / "pi1" / "pi3" (predicts pi^k(x_t)) or "arc"
-    (pi^2 on ARC, pi^1 elsewhere)."""
+    """kind: "random", "constant" (always drafts 0), "pi2" / "pi1" / "pi3" (predicts pi^k(x_t)), "arc"
+    (pi^2 on ARC, pi^1 elsewhere) or "ladder" (pi^1 > pi^2 > ... > pi^LADDER)."""
     if kind == "random":
         return RANDOM_SPEC, oracle.random_drafter_state(RANDOM_SPEC, seed)
     if kind == "random2":
@@ -97,7 +105,10 @@ def drafter_state(kind: str, seed: int = 1) -> tuple[oracle.DraftSpec, dict]:
     fc[:, :D] = torch.eye(D)  # h = the low feature = one-hot of the captured token x_t
     state["fc.weight"] = fc
     head = torch.zeros(V, D)
-    if kind == "arc":
+    if kind == "ladder":
+        for k in range(1, LADDER + 1):
+            head[torch.as_tensor(power(k)), torch.arange(V)] = 1.0 - 0.01 * (k - 1)
+    elif kind == "arc":
         on_arc = np.isin(np.arange(V), list(ARC))
         head[torch.as_tensor(np.where(on_arc, power(2), power(1))), torch.arange(V)] = 1.0
     elif kind != "constant":

@@ -465,6 +465,23 @@ def test_round_ab_dry_run(tmp_path, capsys):
         round_ab.main(["--out", str(tmp_path / "ab.json")])
 
 
+def test_trees_bench_dry_run(tmp_path):
+    """eagle3_jax_bench/trees.py at the tiny preset: the spec-off step, the depth-2 chain's round and a (4, 2, 2)
+    tree's, each with its projections at the dry run's taus (tau x batch / round; tau x step / round)."""
+    from eagle3_jax_bench import trees
+
+    assert trees.main(["--tiny", "--out", str(tmp_path), "--kernels", "xla"]) == 0
+    rows = json.loads((tmp_path / "trees.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == [["chain", 2], ["tree", 4, 2, 2]]
+    chain, tree = rows
+    assert chain["round_over_chain_of_its_depth"] == 1 and tree["round_ms"] > 0
+    for r in rows:
+        greedy, sampled = trees.TINY_TAUS[tuple(r["config"])]
+        assert r["greedy_tokens_per_s"] == pytest.approx(2 * greedy / (r["round_ms"] / 1e3))
+        assert r["sampled_speedup"] == pytest.approx(sampled * r["step_ms"] / r["round_ms"])
+    assert tree["greedy_over_first_chain"] == pytest.approx(tree["greedy_tokens_per_s"] / chain["greedy_tokens_per_s"])
+
+
 def test_outputs_section(tmp_path, capsys):
     """`--outputs-only` at tiny shapes: each build's call of rounds (default, logprobs, penalties, both) timed from
     the same state, spec off and at gamma 3, with its cost over the default build's (times are not asserted)."""

@@ -64,6 +64,29 @@ def test_generate_with_auto_gamma(folders, capsys, tmp_path, monkeypatch):
             main(["generate", "--target", str(folders / "missing"), "--prompt-ids", "1", *flags])
 
 
+def test_generate_with_a_draft_tree(folders, capsys):
+    """--draft-depth and --draft-top-k: a tree's output is the target's, its histogram as deep as the tree; the tree
+    rules in the flags' names, before the target loads."""
+    code = main(["generate", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt-ids", "3,17,5", "--max-new-tokens", "9", "--num-draft-tokens", "6", "--draft-depth", "2",
+                 "--draft-top-k", "3", "--dtype", "float32", "--max-len", "64"])
+    out = capsys.readouterr().out
+    target = eagle3_jax.load_target(folders / "target", dtype="float32")
+    (expected,) = eagle3_jax.Engine(target, max_len=64).generate([[3, 17, 5]], 9, stop_token_ids=[47])
+    assert code == 0 and out.splitlines()[0] == " ".join(f"w{t}" for t in expected.token_ids)
+    assert "accepted 2:" in out and "accepted 3:" not in out
+    for flags, message in [(["--draft-top-k", "2"], "give --draft-depth"),
+                           (["--draft-top-k", "2", "--draft-depth", "2", "--num-draft-tokens", "9"],
+                            "--num-draft-tokens=9 is more than the 6 candidates of --draft-depth=2"),
+                           (["--draft-depth", "2"], "--draft-top-k=1 drafts a chain"),
+                           (["--draft-top-k", "0"], "--draft-top-k must be a positive int, got 0")]:
+        with pytest.raises(SystemExit, match=message):  # before the target loads
+            main(["generate", "--target", str(folders / "missing"), "--drafter", "d", "--prompt-ids", "1", *flags])
+    with pytest.raises(SystemExit, match="from the top-k tokens of an EAGLE-3 drafter"):
+        main(["serve", "--target", str(folders / "missing"), "--prompt-lookup", "--draft-top-k", "2",
+              "--draft-depth", "2"])
+
+
 def test_generate_with_prompt_lookup(folders, capsys):
     """--prompt-lookup on a prompt that holds a stretch of the target's cycle and then its start again: the output
     retraces the stretch, so lookups are accepted (tau > 1), and it is spec-off's; its flags are checked."""

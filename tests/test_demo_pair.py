@@ -142,6 +142,21 @@ def test_pair_bench_dry_run(tmp_path):
     assert all(r["tokens_per_s"] > 0 and (r["tau"] is None) == (r["proposer"] == "off") for r in rows.values())
 
 
+def test_a_draft_tree_beats_the_chain_of_its_depth(tmp_path):
+    """The pair bench's tree section (`--trees`) on the first 8 held-out prompts, 32 new tokens, greedy: a (16, 5, 4)
+    tree's output is spec-off's and the depth-5 chain's, and its tau beats the chain's (BENCHMARKS.md (i) has the
+    figures on 24 prompts of 96 tokens, greedy and sampled)."""
+    assert pair_bench.main(["--out", str(tmp_path), "--trees", "--dtype", "float32", "--gammas", "0", "5",
+                            "--tree-shapes", "16,5,4", "--held-out", "8", "--max-new-tokens", "32",
+                            "--temperatures", "0"]) == 0
+    rows = json.loads((tmp_path / "pair_trees.json").read_text())["trees"]
+    assert [(r["draft_depth"], r["draft_top_k"]) for r in rows] == [(0, 1), (5, 1), (5, 4)]
+    assert all(r["same_tokens_as_first"] and r["tokens_per_s"] > 0 for r in rows)
+    off, chain, tree = rows
+    assert off["tau"] is None and tree["tau"] > chain["tau"] > 1
+    assert tree["tau_over_chain_of_its_depth"] == tree["tau"] / chain["tau"]
+
+
 def test_corpus_stages(tmp_path):
     """The CPU stages on a few standard library files: manifest, held-out prompts, a tokenizer that
     AutoTokenizer loads, the token streams and the prompts the GPU stages read."""

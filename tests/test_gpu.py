@@ -66,9 +66,9 @@ def _models(dtype):
 PROMPTS = [list(range(3, 3 + n)) for n in (16, 200, 37, 500, 64, 90, 128, 300)]
 
 
-def _generate(target, drafter, kernels, gamma=3, new=48):
+def _generate(target, drafter, kernels, gamma=3, new=48, **tree):
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=gamma, max_len=1024, kernels=kernels,
-                               kv_tokens=len(PROMPTS) * 1024)
+                               kv_tokens=len(PROMPTS) * 1024, **tree)
     return [r.token_ids for r in engine.generate(PROMPTS, new)]
 
 
@@ -150,6 +150,21 @@ def test_16_bit_engine_speculates_at_batch_8(dtype):
     identical = sum(a == len(x) for a, x in zip(agreed, spec_off))
     print(f"\n{dtype}: {identical}/8 rows identical to spec-off; first differences at {agreed}")
     assert all(a >= 1 for a in agreed)  # the first token comes from the shared prefill
+
+
+def test_16_bit_draft_tree_at_batch_8():
+    """A (16, 5, 4) draft tree in bf16 (the ragged paged kernel with a tree mask, for the drafter's beams and the
+    verify): its output against spec-off's, printed as the 16-bit chain's is; and in float32 (the XLA path for
+    attention) the Pallas kernels give XLA's tokens."""
+    tree = dict(draft_depth=5, draft_top_k=4)
+    target, drafter = _models("bfloat16")
+    spec_off, spec = _generate(target, None, "pallas"), _generate(target, drafter, "pallas", 16, **tree)
+    assert all(len(s) == 48 for s in spec)
+    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(spec_off, spec)]
+    print(f"\nbfloat16 tree: {sum(a == 48 for a in agreed)}/8 rows identical to spec-off; first differences {agreed}")
+    assert all(a >= 1 for a in agreed)
+    target, drafter = _models("float32")
+    assert _generate(target, drafter, "pallas", 16, **tree) == _generate(target, drafter, "xla", 16, **tree)
 
 
 @pytest.mark.parametrize("proposal", ["argmax", "sample"])

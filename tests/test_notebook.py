@@ -16,7 +16,7 @@ from jupyter_client.manager import KernelManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "explore_eagle3.ipynb"
-FIGURES = ("acceptance_histogram", "acceptance_by_position", "tau_vs_gamma", "round_timing")
+FIGURES = ("acceptance_histogram", "acceptance_by_position", "tau_vs_gamma", "draft_tree", "round_timing")
 
 
 def test_notebook_is_saved_without_outputs():

@@ -32,12 +32,15 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(world):
-    """Speculative (gamma 3) and spec-off engines of 2 slots, prompts in chunks of 8 tokens: the third prompt joins
-    in a call of rounds, the first takes two chunks."""
+    """Speculative (gamma 3), spec-off and draft-tree ("tree": 6 nodes, 3 steps of 2 beams) engines of 2 slots,
+    prompts in chunks of 8 tokens: the third prompt joins in a call of rounds, the first takes two chunks."""
     _, target, drafter = world
-    return {gamma: eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma, max_len=MAX_LEN,
-                                     max_batch=2, prefill_chunk=8)
-            for gamma in (GAMMA, 0)}
+    out = {gamma: eagle3_jax.Engine(target, drafter if gamma else None, num_draft_tokens=gamma, max_len=MAX_LEN,
+                                    max_batch=2, prefill_chunk=8)
+           for gamma in (GAMMA, 0)}
+    out["tree"] = eagle3_jax.Engine(target, drafter, num_draft_tokens=6, draft_depth=3, draft_top_k=2, max_len=MAX_LEN,
+                                    max_batch=2, prefill_chunk=8)
+    return out
 
 
 def oracle_logprobs(model, sequence: list[int]) -> np.ndarray:
@@ -65,7 +68,7 @@ def check_logprobs(model, prompt, result, k, prompt_k=None):
         assert entry.top[0][0] == int(np.argmax(lp[i - 1]))
 
 
-@pytest.mark.parametrize("gamma", [GAMMA, 0])
+@pytest.mark.parametrize("gamma", [GAMMA, 0, "tree"])
 def test_logprobs_equal_transformers(world, engines, gamma):
     """Greedy and sampled rows side by side, logprobs of the raw target whatever the sampling settings; the first
     prompt's logprobs come from two chunks, the third's from a chunk riding in a call of rounds (before it, its
@@ -139,7 +142,7 @@ def as_keywords(s: dict) -> dict:
                 repetition_penalty=s.get("repetition", 1.0), logit_bias=s.get("bias"))
 
 
-@pytest.mark.parametrize("gamma", [GAMMA, 0])
+@pytest.mark.parametrize("gamma", [GAMMA, 0, "tree"])
 def test_penalties_and_logit_bias_equal_a_greedy_reference(world, engines, gamma):
     """Each setting on its own prompt, one value per prompt, in one request (rows of other settings side by side);
     the same through speculation and spec off."""

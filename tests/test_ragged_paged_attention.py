@@ -28,6 +28,8 @@ from eagle3_jax.models.paged_attention import (
 from pallas_kernels.ragged_paged_attention import RaggedPagedConfig, ragged_paged_attention, unsupported
 from pallas_kernels.reference import paged_attention_reference
 
+from cuda_lowering import lower_for_cuda
+
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
@@ -105,6 +107,52 @@ def test_kernel_in_the_gpu_interpreter_matches_the_xla_path_and_the_reference(mi
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, paged_attention_reference(*args, scale=0.125), args[5], dtype)
     check(out, paged_attention_xla(*args, scale=0.125, max_q_len=max(q_lens)), args[5], dtype)
+
+
+def tree_masks(seed, q_lens, kv_lens, starts, tokens, words=2):
+    """(tree_start [S], tree_bits [tokens, words]): for each sequence's queries (at its last q_len key slots), a
+    random subset of the tree region's slots before its own (from starts[s]; a draft tree's ancestors) and its
+    own; tokens of no sequence, and queries before their tree's start, get random bits (never read)."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, (tokens, words), dtype=np.uint64)
+    at = 0
+    for q_len, kv_len, start in zip(q_lens, kv_lens, starts):
+        for i in range(q_len):
+            own = kv_len - q_len + i - start
+            if own < 0:  # a query before its tree: every key it sees is before the start, its bits never read
+                continue
+            seen = (rng.random(own) < 0.5).tolist() + [True]
+            row = np.zeros(words, np.uint64)
+            for j in np.flatnonzero(seen):
+                row[j // 32] |= np.uint64(1) << np.uint64(j % 32)
+            bits[at + i] = row
+        at += q_len
+    return jnp.asarray(starts, jnp.int32), jnp.asarray(bits.astype(np.uint32).view(np.int32))
+
+
+# (q_lens, kv_lens, tree starts, page_size, G): a target's verify of a 17-node tree (two tiles at G 4) whose region
+# crosses a 64-key block, a drafter's step of 3 beams over a 40-slot region (bits in the second word), a decode whose
+# tree starts past its keys (a plain query), a sequence with no queries.
+TREE_MIX = ([17, 3, 1, 0], [70, 60, 9, 5], [53, 20, 9, 5], 8, 4)
+
+
+@pytest.mark.parametrize("tuning", [dict(block_kv=64, num_splits=1), dict(block_kv=64, num_splits=2)],
+                         ids=["1split", "2splits"])
+def test_a_tree_mask_in_the_kernel_the_xla_path_and_the_reference(tuning):
+    """A tree mask (tree_start, tree_bits): the kernel in the GPU interpreter and the XLA path against the dense
+    reference, which reads each bit on its own; and the mask changes the output (the reference without it differs)."""
+    q_lens, kv_lens, starts, page_size, G = TREE_MIX
+    args = ragged_batch(7, q_lens, kv_lens, K=2, G=G, H=64, page_size=page_size, dtype=jnp.float32)
+    tree = tree_masks(8, q_lens, kv_lens, starts, args[0].shape[0])
+    ref = paged_attention_reference(*args, scale=0.125, tree_start=tree[0], tree_bits=tree[1])
+    assert np.abs(np.asarray(ref - paged_attention_reference(*args, scale=0.125))[:20]).max() > 0.1
+    xla = paged_attention_xla(*args, scale=0.125, max_q_len=17, tree_start=tree[0], tree_bits=tree[1])
+    check(xla, ref, args[5], jnp.float32)
+    out = ragged_paged_attention(*args, scale=0.125, max_q_len=17, interpret=True, tree_start=tree[0],
+                                 tree_bits=tree[1], **tuning)
+    check(out, ref, args[5], jnp.float32)
+    with pytest.raises(ValueError, match="tree_start and tree_bits come together"):
+        ragged_paged_attention(*args, scale=0.125, max_q_len=17, interpret=True, tree_bits=tree[1])
 
 
 def test_no_data_races_between_the_loader_and_two_compute_warpgroups():
@@ -255,6 +303,22 @@ def test_lowers_for_cuda_at_qwen3_8b_shapes(shape, tuning):
     assert _lower(*shape, **tuning).count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
+def test_a_tree_mask_lowers_for_cuda_at_qwen3_8b_shapes():
+    """The verify of a 33-node tree (N 32: three tiles of 16 tokens, two words of bits) at batch 8, and a drafter
+    step of 8 beams: one Mosaic GPU call each."""
+    for S, q_len, words in ((8, 33, 2), (8, 8, 2)):
+        T = S * q_len
+        q = jax.ShapeDtypeStruct((T, 32, 128), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((8, S * 64, 64, 128), jnp.bfloat16)
+        table = jax.ShapeDtypeStruct((S, 64), jnp.int32)
+        lens, cu = jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S + 1,), jnp.int32)
+        start, bits = jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((T, words), jnp.int32)
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a[:6], scale=128**-0.5, max_q_len=q_len, uniform=True,
+                                                       tree_start=a[6], tree_bits=a[7]))
+        text = lower_for_cuda(fn, q, pages, pages, table, lens, cu, start, bits)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
 def test_default_tunings_fit_a_hopper_block():
     """128-key blocks in 2 stages for decode and verify (one compute warpgroup); a chunk's two compute
     warpgroups at head_dim 128 take 64-key blocks in 4 stages, which fit where the defaults would not."""
@@ -331,6 +395,25 @@ def test_kernel_on_a_hopper_gpu_at_qwen3_8b_heads(case, dtype):
     args = ragged_batch(5, q_lens, kv_lens, K=8, G=4, H=128, page_size=page_size, dtype=dtype)
     out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=max(q_lens), **tuning)
     check(out, paged_attention_reference(*args, scale=128**-0.5), args[5], jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run: pytest -m gpu on one)")
+def test_a_tree_mask_on_a_hopper_gpu_at_qwen3_8b_heads():
+    """The compiled kernel with a tree mask: a 33-node verify over 1k keys (three tiles), a drafter's step of 8
+    beams over a 48-slot region, a decode, with the default splits and one; against the dense reference."""
+    from eagle3_jax.models.kernels import hopper
+
+    if not hopper():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+    q_lens, kv_lens, starts = [33, 8, 1], [1057, 340, 20], [1024, 300, 20]
+    args = ragged_batch(9, q_lens, kv_lens, K=8, G=4, H=128, page_size=64, dtype=jnp.bfloat16)
+    tree = tree_masks(10, q_lens, kv_lens, starts, args[0].shape[0])
+    ref = paged_attention_reference(*args, scale=128**-0.5, tree_start=tree[0], tree_bits=tree[1])
+    for tuning in ({}, {"num_splits": 1}):
+        out = ragged_paged_attention(*args, scale=128**-0.5, max_q_len=33, tree_start=tree[0], tree_bits=tree[1],
+                                     **tuning)
+        check(out, ref, args[5], jnp.bfloat16)
 
 
 @pytest.mark.parametrize("on_hopper,kernels,dtype,expected", [

@@ -72,6 +72,17 @@ def test_round_output_unpacks_what_pack_wrote():
     assert first.top == [(1, pytest.approx(2.0 - lse)), (2, pytest.approx(1.0 - lse))]
     (tied,) = logprobs.unpack(out.logprobs[1, :1], 3)  # equal logits: the higher id first; V 3 < TOP: no padding
     assert [t for t, _ in tied.top] == [1, 0, 2] and third.logprob == pytest.approx(-lse)
+    # A draft tree's round (gamma its depth): its nodes' tokens and parents, then its path, before the shadow's.
+    tree = (jnp.array([[11, 12, 13], [14, 15, 16]]), jnp.array([[0, 0, 1], [0, 1, 1]]), jnp.array([[1, 3], [2, 0]]))
+    packed = pack(jnp.array([[7, 8, 9], [4, 5, 6]]), jnp.array([[7, 1], [2, 3]]), jnp.array([2, 0]),
+                  jnp.array([1, 0]), jnp.array([False, True]), jnp.array([[5, 6], [0, 0]]), tree=tree)
+    assert packed.shape == (2, width(gamma, tree_nodes=3)) == (2, 2 * gamma + 6 + 2 * 3 + gamma)
+    out = RoundOutput.unpack(np.asarray(packed), gamma, 3)
+    assert out.tokens == [[7, 8], []] and [x.tolist() for x in out.tree] == [x.tolist() for x in tree]
+    assert out.shadow.tolist() == [[5, 6], [0, 0]] and packed[0, -2:].tolist() == [5, 6]  # last: _catch_up's place
+    with pytest.raises(ValueError, match=r"a round of gamma 2 and a tree of 4 nodes packs 20 columns \(\d+ with "
+                                         r"logprobs\), got 18"):
+        RoundOutput.unpack(np.asarray(packed), gamma, 4)
 
 
 def engine_parts(max_positions: int = 1024):

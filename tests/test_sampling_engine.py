@@ -155,6 +155,33 @@ def test_first_three_tokens_follow_the_exact_distribution_through_a_change_of_ga
     assert gate_p_value(np.array([r.token_ids for r in results]), exact[PLAIN_07]) > 1e-4
 
 
+# Draft trees (N, D, K) and their settings: max_len 8 leaves slots for nodes 1 .. 4 after the 3-token prompt, so
+# (6, 3, 2)'s nodes 5 and 6 are never judged (decoding/tree.usable). A fifth of the samples, for the suite's time:
+# the gate rejects the wrong tree sampler below at p near 1e-107 with as many.
+TREE_CONFIGS = [((4, 2, 2), PLAIN_07), ((6, 3, 2), TOPK_10), ((5, 2, 3), TOPP_13)]
+TREE_N = N // 5
+
+
+def make_tree_engine(tiny, shape, pool=TREE_N):
+    _, target, drafter = tiny
+    n, d, k = shape
+    return eagle3_jax.Engine(target, drafter, num_draft_tokens=n, draft_depth=d, draft_top_k=k, max_len=MAX_LEN,
+                             rounds_per_call=1, max_batch=pool, prefill_chunk=len(PROMPT) * pool,
+                             prefill_sequences=pool)
+
+
+@pytest.mark.parametrize("shape, settings", TREE_CONFIGS, ids=[f"tree-{n}-{d}-{k}" for (n, d, k), _ in TREE_CONFIGS])
+def test_first_three_tokens_of_a_draft_tree_follow_the_exact_distribution(tiny, exact, shape, settings):
+    """A tree's multi-draft rule (decoding/tree.py): siblings accepted by one uniform over their cumulative target
+    probabilities, the next token drawn from p without them."""
+    results = make_tree_engine(tiny, shape).generate([PROMPT] * TREE_N, 3, temperature=settings[0],
+                                                     top_k=settings[1], top_p=settings[2],
+                                                     seed=list(range(5000, 5000 + TREE_N)))
+    assert gate_p_value(np.array([r.token_ids for r in results]), exact[settings]) > 1e-4
+    accepted = np.bincount([r.accept_lengths[0] for r in results])
+    assert len(accepted) >= 3 and accepted[:3].min() > TREE_N / 500  # paths of 0, 1 and 2 nodes: the rule is exercised
+
+
 @pytest.fixture
 def wrong(monkeypatch):
     """Swaps a function of sampling.py for a wrong one; the jitted rounds are retraced around the swap
@@ -166,14 +193,20 @@ def wrong(monkeypatch):
     engine_lib.jit_rounds.clear_cache()
 
 
-@pytest.mark.parametrize("mistake, proposal", [("accept every draft", "argmax"), ("resample from p", "sample")])
+@pytest.mark.parametrize("mistake, proposal", [("accept every draft", "argmax"), ("resample from p", "sample"),
+                                             ("a tree drawing from p with its rejected siblings", "tree")])
 def test_the_gate_rejects_wrong_samplers(tiny, exact, wrong, mistake, proposal):
     if mistake == "accept every draft":
         wrong("accept", lambda u, p_x, q_x: jnp.ones(u.shape, bool))
-    else:
+    else:  # the chain's residual, which a tree's final draw also takes: p itself, the rejected drafts' mass kept
         wrong("residual", lambda p, q: p)
     # No filter: every outcome is possible, so only the chi-square statistic itself can reject.
-    (tokens,) = sample_first_three(make_engine(tiny, 2, proposal), [PLAIN_07], seed0=7)
+    if proposal == "tree":
+        results = make_tree_engine(tiny, TREE_CONFIGS[0][0]).generate([PROMPT] * TREE_N, 3, temperature=PLAIN_07[0],
+                                                                      seed=list(range(7, 7 + TREE_N)))
+        tokens = np.array([r.token_ids for r in results])
+    else:
+        (tokens,) = sample_first_three(make_engine(tiny, 2, proposal), [PLAIN_07], seed0=7)
     assert exact[PLAIN_07].min() > 0 and gate_p_value(tokens, exact[PLAIN_07]) < 1e-6
 
 

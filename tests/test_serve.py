@@ -673,9 +673,21 @@ def test_penalties_and_logit_bias_equal_a_greedy_reference(oracle_server, random
         assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), settings
 
 
-def test_speculative_equals_spec_off_with_every_field_set(oracle_server, random_world):
-    """Prompt lists, n, penalties, logit_bias, logprobs and echo together through the speculative server equal
-    spec-off Engine.generate with the same settings: the tokens, and the logprobs within TOLERANCE."""
+@pytest.fixture(scope="module")
+def tree_server(random_world):
+    """The oracle server's world and pages through a draft tree (6 nodes, 3 steps of 2 beams)."""
+    s = Server(random_world[0], "--max-batch", "4", "--page-size", "8", "--num-draft-tokens", "6", "--draft-depth", "3",
+               "--draft-top-k", "2")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_speculative_equals_spec_off_with_every_field_set(request, random_world, drafts):
+    """Prompt lists, n, penalties, logit_bias, logprobs and echo together through the speculative server (gamma 2, or
+    a draft tree) equal spec-off Engine.generate with the same settings: the tokens, and the logprobs within
+    TOLERANCE."""
+    oracle_server = request.getfixturevalue("oracle_server" if drafts == "chain" else "tree_server")
     folder, _ = random_world
     target = eagle3_jax.load_target(folder / "target", dtype="float32", progress=False)
     prompts = [[3, 17, 5, 9], [40, 2, 11]]

@@ -50,9 +50,12 @@ def rows(pair):
 
 def engine(pair, proposer, **kwargs):
     _, target, drafter, _, _ = pair
-    chosen = {"off": None, "eagle3": drafter, "lookup": eagle3_jax.PromptLookup(), "auto": drafter}[proposer]
+    chosen = {"off": None, "eagle3": drafter, "lookup": eagle3_jax.PromptLookup(), "auto": drafter,
+              "tree": drafter}[proposer]
     auto = dict(num_draft_tokens="auto", max_draft_tokens=2,
                 round_costs=lambda b, n: [1.0, 1.2, 1.3]) if proposer == "auto" else dict(num_draft_tokens=3)
+    if proposer == "tree":  # a draft tree: each node masked at its automaton state down its branch
+        auto = dict(num_draft_tokens=8, draft_depth=4, draft_top_k=2)
     return eagle3_jax.Engine(target, chosen, max_len=MAX_LEN, max_batch=4, **auto, **kwargs)
 
 
@@ -202,7 +205,7 @@ def test_greedy_is_transformers_argmax_under_the_mask(pair, spec_off):
     assert result.token_ids == out and result.finish_reason == ("stop" if len(out) < MAX_NEW else "length")
 
 
-@pytest.mark.parametrize("proposer", ["eagle3", "lookup", "auto"])
+@pytest.mark.parametrize("proposer", ["eagle3", "lookup", "auto", "tree"])
 def test_speculation_equals_spec_off_and_every_output_is_valid(pair, spec_off, proposer):
     prompts, constraints, kinds = rows(pair)
     got = engine(pair, proposer).generate(prompts, MAX_NEW, structured=constraints)

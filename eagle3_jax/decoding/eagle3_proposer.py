@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.decoding import grammar as grammar_lib
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.models import eagle3 as drafter_lib
 from eagle3_jax.models.config import DrafterConfig
 from eagle3_jax.models.kv_cache import Layout
@@ -86,6 +87,16 @@ class Eagle3:
         drafts, q, pages = drafter_lib.draft_chain(*args, propose=propose, write=write, tp=spec.tp, guide=guide)
         # q lives on the draft vocabulary, 0 for every other target token.
         return drafts, q, drafter_lib.to_target_id(dparams, jnp.arange(self.config.draft_vocab_size)), pages
+
+    def propose_tree(self, dparams, tparams, state, spec):
+        """The drafter's tree of spec.tree's shape (decoding/tree.py) -> (tree_lib.Tree, the drafter's pages
+        holding the beams' speculative entries). The same tree for greedy and sampled rows: its drafts are the
+        drafter's top_k, deterministic."""
+        shape = spec.tree
+        scores, tokens, parents, pages = drafter_lib.draft_tree(
+            dparams, self.config, _embed(dparams, tparams), state.draft_hidden, state.draft_pages, state.page_table,
+            state.draft_lengths, shape.depth, shape.top_k, spec.kernels, write=~state.done, tp=spec.tp)
+        return tree_lib.build(scores, tokens, parents, shape.nodes, shape.depth), pages
 
     def update(self, dparams, tparams, old, new, carry, choices, accepted, features, spec):
         """The target's choices are the true next tokens: (g_{n+i}, choices_i) for i <= accepted are the newly

@@ -86,15 +86,22 @@ PROMPT_TOKENS_PER_SEQUENCE = 128
 
 @dataclasses.dataclass(frozen=True)
 class RoundTrace:
-    """One speculative round of one sequence, for inspection (`generate(..., trace=True)`)."""
+    """One speculative round of one sequence, for inspection (`generate(..., trace=True)`). A draft tree's round
+    (draft_top_k > 1) also has `parents` and `path`: the tree is node 0, the root (the newest token, already
+    emitted), and nodes 1 .. N, node i's token drafted[i - 1] and its parent node parents[i - 1] (0: the root; a
+    parent comes before its children), and the accepted path is the nodes path[0 .. accepted - 1], one a level."""
 
-    drafted: list[int]  # the proposer's gamma proposals, as target ids (-1: a position prompt lookup left empty)
+    # The proposer's gamma proposals, as target ids (-1: a position prompt lookup left empty); a tree's N nodes.
+    drafted: list[int]
     # After each of [x_n, d_1 .. d_gamma]: a greedy row's argmax; a sampled row's accepted drafts, then the
-    # token sampled after them, then the target's argmax.
+    # token sampled after them, then the target's argmax. A tree's: along its accepted path (gamma its depth): the
+    # accepted nodes' tokens, then the bonus token after them (the argmax there, or sampled), then padding.
     target: list[int]
     # How many drafts the round committed: those accepted before the first rejection, fewer when the round
     # was cut short (by a stop token, max_new_tokens or max_len) before emitting them all.
     accepted: int
+    parents: list[int] | None = None  # a tree's: each node's parent node
+    path: list[int] | None = None  # a tree's: the nodes of its accepted path, by depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,16 @@ class Result:
     logprobs: list[logprobs_lib.TokenLogprobs] | None = None
     # With generate(prompt_logprobs=k): the same for each prompt token (None for the first, which nothing predicts).
     prompt_logprobs: list[logprobs_lib.TokenLogprobs | None] | None = None
+
+
+def round_trace(trace: tuple, accepted: int) -> RoundTrace:
+    """An event's trace (live_plan.Event.trace: (drafts, target choices), and a tree round's parents and path) as the
+    RoundTrace of a round that committed `accepted` drafts."""
+    drafted, target, *tree = trace
+    if not tree:
+        return RoundTrace(drafted, target, accepted)
+    parents, path = tree
+    return RoundTrace(drafted, target, accepted, parents, path[:accepted])
 
 
 # Shared by every Engine; jax.jit caches one executable per (StepSpec, argument shapes and dtypes).
@@ -141,7 +158,8 @@ class Engine:
                  proposal: str = DEFAULT_PROPOSAL, exact: bool = DEFAULT_EXACT, max_batch: int | None = None,
                  prefill_chunk: int | None = None, max_draft_tokens: int | None = None, round_costs=None,
                  mesh=None, kv_tokens: int | None = None, page_size: int | None = None,
-                 prefill_sequences: int | None = None, prefix_caching: bool = True, constrain_drafts: bool = True):
+                 prefill_sequences: int | None = None, prefix_caching: bool = True, constrain_drafts: bool = True,
+                 draft_depth: int | None = None, draft_top_k: int = 1):
         """drafter: what proposes the drafts: an EAGLE-3 `Drafter` (load_drafter), `PromptLookup()` (n-gram lookup
         in the row's own tokens, no weights), or None (spec off); anything else is refused.
         num_draft_tokens: the drafts per round (gamma), or "auto": each call of rounds takes the gamma in
@@ -155,6 +173,13 @@ class Engine:
         rounds_per_call: rounds run by one device call (a lax.scan) and returned in one transfer. More
         save the per-call overhead (about 0.2-0.3 ms on the H200) more often; fewer deliver tokens sooner
         (a call's rounds arrive together) and run fewer rounds in vain after a stop token.
+        draft_top_k, draft_depth: draft_top_k 1 (the default) drafts a chain of num_draft_tokens (draft_depth None,
+        or num_draft_tokens). draft_top_k K > 1 drafts a tree (EAGLE-2/3's, decoding/tree.py) with an EAGLE-3
+        drafter: draft_depth D drafting steps of K beams, of whose K + (D - 1) K^2 scored candidates the N =
+        num_draft_tokens of highest path probability are verified in one target forward (N + 1 tokens with the
+        root), and each round accepts the longest root path the target agrees with (greedy), or one by the
+        multi-draft rule (sampled: lossless). accept_lengths and gammas then count depths (0 .. D). Refused with
+        "auto", proposal="sample", exact=True, a mesh and PromptLookup (engine_args.check_tree says why).
         proposal: how the drafter proposes for a sampled row: "argmax" (q one-hot, accepted with
         probability p(x)) or "sample" (x drawn from the drafter's filtered q, accepted with probability
         min(1, p(x) / q(x))). Both are lossless; which accepts more is the drafter's to show. Greedy rows
@@ -203,7 +228,13 @@ class Engine:
         self.prefix_caching = prefix_caching
         kernels = kernels_lib.check(kernels or kernels_lib.default())
         engine_args.check_proposal(proposal)
+        tree = engine_args.check_tree(hasattr(proposer, "propose_tree"), num_draft_tokens, draft_depth, draft_top_k,
+                                      auto=self.auto, proposal=proposal, exact=exact, on_mesh=mesh is not None)
         engine_args.check_exact(cfg, exact)
+        if tree is not None and tree.top_k > proposer.config.draft_vocab_size:
+            raise ValueError(f"draft_top_k={tree.top_k} is more than the drafter's {proposer.config.draft_vocab_size} "
+                             f"draft tokens")
+        self.tree = tree  # the draft tree's shape (decoding/tree.TreeShape), None for a chain
         self.steps = ONE_DEVICE  # the jitted step functions (parallel_steps.Steps); a mesh's below
         if mesh is not None:  # the arguments are checked first: placing the models is device work
             weighted = drafter if dparams is not None else None  # a proposer with weights is placed on the mesh
@@ -220,18 +251,22 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         default = min(16, max(2, self.prefill_chunk // PROMPT_TOKENS_PER_SEQUENCE))
         self.prefill_sequences = min(self.max_batch, int(prefill_sequences or default), self.prefill_chunk)
-        # Under "auto", the largest gamma; prefill packs its output at this width.
+        # Under "auto", the largest gamma; a tree's nodes.
         self.num_draft_tokens = gamma if proposer is not None else 0
+        # The gamma its rounds run (the drafts a round may commit): a chain's gamma, a tree's depth; under "auto" the
+        # largest gamma. Prefill packs its output at this width.
+        self.draft_depth = tree.depth if tree is not None else self.num_draft_tokens
         self._given_costs, self._costs = round_costs, {}
         self._spec = spec_round.StepSpec(
             target=cfg,
             proposer=proposer,
-            gamma=self.num_draft_tokens,
+            gamma=self.draft_depth,
             max_len=self.max_len,
             kernels=kernels,
             exact=exact,
             held=gamma_policy.FLUSH_CALLS * self._rounds_per_call if self.auto and self._holds else 0,
             constrain_drafts=bool(constrain_drafts),
+            tree=tree,
         )
         self._compiler = None  # structured outputs' compiler, made on the first constraint (Engine.constraint)
         if mesh is not None:
@@ -272,7 +307,8 @@ class Engine:
         if need > free:
             raise ValueError(f"kv_tokens={kv_tokens}{given} ({need / 2**30:.2f} GiB of KV in pages of {page_size}) "
                              f"does not fit in the device's free memory ({free / 2**30:.2f} GiB): lower kv_tokens")
-        self.table_width = kv_cache.table_width(self.max_len, page_size, max(self.num_draft_tokens, spec.held) + 1)
+        self.table_width = kv_cache.table_width(self.max_len, page_size, max(self.draft_depth + 1, spec.held + 1,
+                                                                             self.scratch + self.draft_depth + 1))
         self.kv_tokens = num_pages * page_size
         # The engine's device page pools, zeroed when first used: the target's and its proposer's (or None); on a
         # mesh each device holds its KV heads (the spec's per-device config). A partial, not a bound method: the pool
@@ -404,7 +440,7 @@ class Engine:
                     accepts[i].append(event.accepted)
                     gammas[i].append(event.gamma)
                     if event.trace is not None:
-                        traces[i].append(RoundTrace(*event.trace, event.accepted))
+                        traces[i].append(round_trace(event.trace, event.accepted))
                 if bar is not None:
                     bar.add(len(event.tokens), event.finished)
                 if event.finished:
@@ -492,7 +528,13 @@ class Engine:
     @property
     def gammas(self) -> tuple[int, ...]:
         """The gammas calls of rounds may run: 0 .. max_draft_tokens under "auto", else the one."""
-        return tuple(range(self.num_draft_tokens + 1)) if self.auto else (self.num_draft_tokens,)
+        return tuple(range(self.num_draft_tokens + 1)) if self.auto else (self.draft_depth,)
+
+    @property
+    def scratch(self) -> int:
+        """Positions past the draft_depth + 1 it commits at most that a round writes past a row's committed KV: a
+        tree's nodes and beams beyond its depth (TreeShape.reach), 0 for a chain."""
+        return 0 if self.tree is None else max(0, self.tree.reach - (self.draft_depth + 1))
 
     def round_costs(self, batch: int, length: float, template: Request | None = None, mixed: bool = False):
         """Seconds of one call of rounds of each gamma in `gammas` at `batch` rows (a row bucket) and KV `length`,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.decoding.request import is_int
 from eagle3_jax.models import kernels as kernels_lib
 
@@ -32,12 +33,14 @@ class Names:
     optional: str  # how max_draft_tokens is left out
     need_drafter: str  # what to do when "auto" has no proposer
     on_mesh: str  # what to do when "auto" meets a mesh
+    draft_depth: str
+    draft_top_k: str
 
 
 ENGINE = Names("num_draft_tokens", "num_draft_tokens='auto'", "max_draft_tokens", "None",
-               "it needs a drafter", "with a mesh, give num_draft_tokens an int")
+               "it needs a drafter", "with a mesh, give num_draft_tokens an int", "draft_depth", "draft_top_k")
 FLAGS = Names("--num-draft-tokens", "--num-draft-tokens auto", "--max-draft-tokens", "unset",
-              "pass --drafter or --prompt-lookup", "with --tp give it an int")
+              "pass --drafter or --prompt-lookup", "with --tp give it an int", "--draft-depth", "--draft-top-k")
 
 
 def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens, on_mesh: bool = False,
@@ -61,6 +64,48 @@ def check_gamma(has_drafter: bool, num_draft_tokens, max_draft_tokens, on_mesh: 
         raise ValueError(f"{names.max_draft_tokens} is for {names.auto}; with {names.num_draft_tokens} "
                          f"{num_draft_tokens!r} leave it {names.optional} (got {max_draft_tokens!r})")
     return (int(num_draft_tokens) if is_int(num_draft_tokens) else num_draft_tokens), False
+
+
+def check_tree(drafts_trees: bool, num_draft_tokens, draft_depth, draft_top_k, *, auto: bool,
+               proposal: str = "argmax", exact: bool = False, on_mesh: bool = False,
+               names: Names = ENGINE) -> tree_lib.TreeShape | None:
+    """The draft tree of (num_draft_tokens, draft_depth, draft_top_k), num_draft_tokens already checked (an int >= 1,
+    or "auto"): None for a chain (draft_top_k 1, draft_depth None or num_draft_tokens), else its shape
+    (decoding/tree.py). A tree needs an EAGLE-3 drafter (drafts_trees: the proposer has `propose_tree`) and is
+    refused with "auto"
+    (its policy models a chain's acceptance, one draft a position, which says nothing of a tree's paths),
+    proposal="sample" (a tree's drafts are the drafter's top-k, not drawn), exact=True (its attention kernel has no
+    tree mask) and a mesh (its tree steps are one device's, untested sharded)."""
+    k, d = names.draft_top_k, names.draft_depth
+    if not is_int(draft_top_k) or draft_top_k < 1:
+        raise ValueError(f"{k} must be a positive int, got {draft_top_k!r}")
+    if draft_depth is not None and (not is_int(draft_depth) or draft_depth < 1):
+        raise ValueError(f"{d} must be {names.optional} or a positive int, got {draft_depth!r}")
+    if draft_top_k == 1:
+        if draft_depth is not None and (auto or draft_depth != num_draft_tokens):
+            raise ValueError(f"{k}=1 drafts a chain, as deep as {names.num_draft_tokens}: leave {d} {names.optional} "
+                             f"or give it {names.num_draft_tokens}, got {d}={draft_depth!r} and "
+                             f"{names.num_draft_tokens}={num_draft_tokens!r}")
+        return None
+    tree = f"{k}={draft_top_k} drafts a tree"
+    if not drafts_trees:
+        raise ValueError(f"{tree} from the top-k tokens of an EAGLE-3 drafter: give one (load_drafter)")
+    if auto:
+        raise ValueError(f"{tree}: {names.auto} chooses a chain's gamma (its acceptance model is one draft a "
+                         f"position, which says nothing of a tree's paths); give {names.num_draft_tokens} an int")
+    if draft_depth is None:
+        raise ValueError(f"{tree}: give {d}, its drafting steps (at most {names.num_draft_tokens})")
+    if problem := tree_lib.shape_problem(num_draft_tokens, draft_depth, draft_top_k):
+        raise ValueError(problem.replace("num_draft_tokens", names.num_draft_tokens).replace(
+            "draft_depth", d).replace("draft_top_k", k))
+    if proposal != "argmax":
+        raise ValueError(f"{tree}, verified by the multi-draft rule for argmax drafts: proposal={proposal!r} draws "
+                         f"one chain from the drafter's q; use proposal='argmax' with a tree")
+    if exact:
+        raise ValueError(f"{tree}: exact=True's attention kernel has no tree mask; use {k}=1 with exact=True")
+    if on_mesh:
+        raise ValueError(f"{tree} on one device: with a tensor-parallel mesh use {k}=1")
+    return tree_lib.TreeShape(int(num_draft_tokens), int(draft_depth), int(draft_top_k))
 
 
 def check_proposal(proposal) -> None:

@@ -69,15 +69,16 @@ class LivePool:
             policy = gamma_policy.Auto(engine.num_draft_tokens, lambda length, rows, mixed: engine.round_costs(
                 rows, length, me()._cost_template(), mixed), holds=engine.holds_pairs)
         else:
-            policy = gamma_policy.Fixed(engine.num_draft_tokens)
+            policy = gamma_policy.Fixed(engine.draft_depth)
         self._pages = engine.page_pool
         self._pages.acquire()
         self._scheduler = LiveScheduler(max_batch or engine.max_batch, engine.max_len, engine.prefill_chunk,
                                         engine.prefill_sequences, engine.rounds_per_call, policy,
                                         engine.drafter is not None, self._pages,
-                                        engine.table_width, engine.num_draft_tokens, stop_width, trace,
+                                        engine.table_width, engine.draft_depth, stop_width, trace,
                                         alone=engine.spec.exact, prefix_caching=engine.prefix_caching,
-                                        with_next=engine.holds_pairs, history=engine.keeps_history)
+                                        with_next=engine.holds_pairs, history=engine.keeps_history,
+                                        tree_nodes=engine.tree.nodes if engine.tree else 0, scratch=engine.scratch)
         self._rows = None  # the slots' rows on the device (spec_round.split_pages), None before the first step
         self._grammar_version = 0  # the layout of the constrained rows' automata the rows hold (grammar.Registry)
         # (kind, packed, gamma, owners, chunk owners or None, whether its rows' drafters are up to date after it,
@@ -287,7 +288,7 @@ class LivePool:
             spec = engine.prefill_build(build, prompt_logprobs=bool(chunk.prompt_segments))
             state, packed = steps.prefill(*params, state, on_device, spec=spec)
             self._rows, pages.arrays = spec_round.split_pages(state)
-            self._queue.append(("chunk", packed, engine.num_draft_tokens, None, chunk.owners[0], True,
+            self._queue.append(("chunk", packed, engine.draft_depth, None, chunk.owners[0], True,
                                 chunk.prompt_segments))
 
 

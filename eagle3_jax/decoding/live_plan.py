@@ -144,11 +144,14 @@ class Event:
     request: int
     tokens: list[int]
     accepted: int  # drafts committed (0 for a first token and plain rounds)
-    drafted: int  # drafts the round proposed for this row (its gamma; 0 for a first token and plain rounds)
+    # drafts the round proposed for this row (its gamma, a tree's nodes; 0 for a first token and plain rounds)
+    drafted: int
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     gamma: int | None = None  # a speculative round's drafts per round (0 included); None for a first token, spec off
-    trace: tuple[list[int], list[int]] | None = None  # with trace: a speculative round's (drafts, target choices)
+    # with trace: a speculative round's (drafts, target choices), and a draft tree's (its nodes' tokens, the choices
+    # along its path, its nodes' parents, its path's nodes) (engine.round_trace)
+    trace: tuple[list[int], ...] | None = None
     cached_tokens: int = 0  # with the first token: the prompt tokens served from the prefix cache
     logprobs: list | None = None  # a request that asks for them: each token's logprobs.TokenLogprobs
     # with the first token of a request that asks for them: each prompt token's (None for the first)
@@ -219,12 +222,16 @@ class LiveScheduler:
     every chunk runs in a call of its own (an exact engine's: its kernels' results must not depend on rows beside
     it); prefix_caching, with_next: whether sequences share cached prefixes, and whether a page's key holds the token
     after it (page_pool.chain_keys); history: whether a chunk carries each final segment's whole sequence (prompt
-    lookup's history, which a cached prefix would leave without the tokens no chunk holds)."""
+    lookup's history, which a cached prefix would leave without the tokens no chunk holds); tree_nodes: a draft tree's
+    nodes (its rounds' outputs carry the tree: round_output), 0 for a chain; scratch: positions a call's last round
+    writes past the R (G + 1) its rounds may commit (a tree's nodes and beams past its depth: Engine.scratch), which
+    its rows' pages must hold too."""
 
     def __init__(self, capacity: int, max_len: int, prefill_chunk: int, prefill_sequences: int,
                  rounds_per_call: int, policy: Policy, speculative: bool, pages: PagePool, width: int,
                  max_gamma: int, stop_width: int, trace: bool = False, alone: bool = False,
-                 prefix_caching: bool = False, with_next: bool = False, history: bool = False):
+                 prefix_caching: bool = False, with_next: bool = False, history: bool = False, tree_nodes: int = 0,
+                 scratch: int = 0):
         self.capacity, self.max_len, self.prefill_chunk = capacity, max_len, prefill_chunk
         self.rounds_per_call, self.policy, self.speculative = rounds_per_call, policy, speculative
         self.pages, self.width, self.max_gamma, self.stop_width = pages, width, max_gamma, stop_width
@@ -233,6 +240,7 @@ class LiveScheduler:
         self.prefix_caching, self.with_next = prefix_caching, with_next
         self.history = history  # chunks carry a final segment's whole sequence (a proposer's token history)
         self.chunk_sequences = prefill_sequences
+        self.tree_nodes, self.scratch = tree_nodes, scratch
         self.allocated = False  # whether the pool's rows exist on the device (its first step allocates them)
         self.owner = np.full((capacity,), -1, np.int64)  # request id per slot, -1 free
         self.waiting: collections.deque[int] = collections.deque()
@@ -314,7 +322,7 @@ class LiveScheduler:
         go = needed or prompts
         # The running rows' pages for the call (at the largest gamma: the chunk planned next may admit prompts only
         # beside them); when they are not free, the call waits for what is in flight to be read, or preempts.
-        if go and busy and not self._grow(self.rounds_per_call * (self.max_gamma + 1), idle, preempted):
+        if go and busy and not self._grow(self.rounds_per_call * (self.max_gamma + 1) + self.scratch, idle, preempted):
             go = False
         busy = self._running()  # not the preempted ones
         joiners: list[tuple[_Live, int]] = []
@@ -448,11 +456,12 @@ class LiveScheduler:
         admitted only while its whole prompt and first call fit beside that and every prefilling sequence's rest, so
         a sequence admitted can always finish its prompt. A sequence whose last segment this is also takes the pages
         of the `after` rounds it runs in the same call."""
-        tail = self.rounds_per_call * (self.max_gamma + 1)
+        tail = self.rounds_per_call * (self.max_gamma + 1) + self.scratch
         size = self.pages.page_size
+        reach = after * (self.max_gamma + 1) + (self.scratch if after else 0)  # a joining row's rounds in the call
 
         def wanted(sequence, end: int) -> int:  # positions to hold once a segment ends at `end`
-            return min(end + after * (self.max_gamma + 1) if end == len(sequence) else end, self.max_len)
+            return min(end + reach if end == len(sequence) else end, self.max_len)
 
         reserved = sum(max(self._need(self.requests[r], tail), 0) for r in self._running())
         prefilling = sorted((self.requests[int(r)] for r in self.owner if r >= 0 and not self.requests[int(r)].joined),
@@ -583,13 +592,15 @@ class LiveScheduler:
         if kind == "chunk":
             P = chunk_owners.shape[0]
             if prompt_segments:
-                self._read_prompt_logprobs(prompt_segments, [RoundOutput.unpack(outputs[P:], gamma).logprobs[:, 0]])
+                self._read_prompt_logprobs(prompt_segments,
+                                           [RoundOutput.unpack(outputs[P:], gamma, self.tree_nodes).logprobs[:, 0]])
             return self._read_first_tokens(gamma, chunk_owners, outputs[:P])
         rows = owners.shape[1]
         if prompt_segments:
             P = chunk_owners.shape[1]
-            self._read_prompt_logprobs(prompt_segments, [RoundOutput.unpack(outputs[j, rows + P:], gamma).logprobs[:, 0]
-                                                         for j in range(outputs.shape[0])])
+            self._read_prompt_logprobs(prompt_segments, [
+                RoundOutput.unpack(outputs[j, rows + P:], gamma, self.tree_nodes).logprobs[:, 0]
+                for j in range(outputs.shape[0])])
             outputs = outputs[:, : rows + P]
         for r in set(owners.ravel().tolist()):
             live = self.requests.get(r)
@@ -620,7 +631,7 @@ class LiveScheduler:
 
     def _read_first_tokens(self, gamma: int, owners: np.ndarray, outputs: np.ndarray) -> list[Event]:
         events = []
-        out = RoundOutput.unpack(outputs, gamma)
+        out = RoundOutput.unpack(outputs, gamma, self.tree_nodes)
         for p, r in enumerate(owners.tolist()):
             live = self.requests.get(r)
             if live is None or live.slot < 0 or self.owner[live.slot] != r or live.prefilled:
@@ -640,19 +651,22 @@ class LiveScheduler:
     def _read_round(self, gamma: int, owners: np.ndarray, packed: np.ndarray, synced: bool) -> list[Event]:
         events = []
         speculative = self.speculative
-        out = RoundOutput.unpack(packed, gamma)
+        out = RoundOutput.unpack(packed, gamma, self.tree_nodes)
         if speculative:
             self.policy.observe(gamma, out)
         accepted, done = out.accepted.tolist(), out.done.tolist()
         drafts, choices = (out.drafts.tolist(), out.choices.tolist()) if self.trace and speculative else ((), ())
+        traces = list(zip(drafts, choices))
+        if traces and out.tree is not None:  # a tree's nodes, choices, parents, path
+            traces = list(zip(out.tree[0].tolist(), choices, out.tree[1].tolist(), out.tree[2].tolist()))
         for row, r in enumerate(owners.tolist()):
             live = self.requests.get(r)
             if live is None or live.slot < 0 or self.owner[live.slot] != r:
                 continue
             new = out.tokens[row]
             events.append(self._emitted(live, r, new, done[row], accepted[row] if speculative else 0,
-                                        gamma if speculative and new else 0, gamma if speculative else None,
-                                        (drafts[row], choices[row]) if drafts else None, synced,
+                                        (self.tree_nodes or gamma) if speculative and new else 0,
+                                        gamma if speculative else None, traces[row] if traces else None, synced,
                                         logprobs=self._logprobs(live, out, row)))
         return events
 

@@ -112,6 +112,21 @@ def verify_logits(logits, pen: PenaltyState, lengths, drafts) -> jax.Array:
     return _apply(logits, pen.settings, counts, in_prompt[:, None, :])
 
 
+def tree_logits(logits, pen: PenaltyState, lengths, tokens, ancestors) -> jax.Array:
+    """A draft tree's verify logits [B, N + 1, V] (after its root x_n, at position `lengths` [B], and its nodes 1 .. N;
+    decoding/tree.py) with each row's penalties: node j counts the output and its path's tokens (tokens [B, N] of
+    nodes 1 .. N; ancestors [B, N + 1, N + 1], each node's ancestors and itself): what a plain decoding step after
+    that path would see, `verify_logits` down every branch."""
+    B, T, V = logits.shape
+    output = _counts(pen.sequence, pen.prompt_lengths, lengths, V)
+    in_prompt = _counts(pen.sequence, jnp.zeros_like(lengths), pen.prompt_lengths - 1, V) > 0
+    shape = (B, T, tokens.shape[1])
+    counts = jnp.broadcast_to(output[:, None, :], (B, T, V)).at[
+        jnp.broadcast_to(jnp.arange(B)[:, None, None], shape), jnp.broadcast_to(jnp.arange(T)[None, :, None], shape),
+        jnp.broadcast_to(tokens[:, None, :], shape)].add(ancestors[:, :, 1:].astype(jnp.int32))
+    return _apply(logits, pen.settings, counts, in_prompt[:, None, :])
+
+
 def first_logits(logits, settings: Penalties, history, lengths, prompt_lengths) -> jax.Array:
     """A prompt's first-token logits [P, V] with its penalties: history [P, L] holds the sequence x_0 .. x_{n-1}
     (n = lengths [P]); the output so far is positions prompt_lengths .. n - 1 (none for a new prompt)."""

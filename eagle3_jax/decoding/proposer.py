@@ -29,7 +29,9 @@ something to it), `keeps_history` (a chunk must bring each joining row's whole s
 `catch_up(dparams, tparams, state, held, live, spec) -> (state, matched [B, H])`, the rebuild over the pairs "auto"'s
 plain rounds held back, written for the rows `live` when the call began (its `update` is then skipped at gamma 0);
 one that reads none has its `update` run every round and defines `shadow(old, choices, num_emit, spec) -> [B, 2]`,
-a plain round's evidence for "auto" (round_output's shadow columns).
+a plain round's evidence for "auto" (round_output's shadow columns). One that drafts trees (EAGLE-3; draft_top_k > 1)
+defines `propose_tree(dparams, tparams, state, spec) -> (decoding/tree.Tree, carry)`, spec.tree's shape; the tree
+round then calls its `update` with the accepted path's choices and features.
 """
 
 from __future__ import annotations

@@ -256,6 +256,18 @@ def categorical(keys: jax.Array, probs: jax.Array, vocab: Vocab = FULL) -> jax.A
     return jax.vmap(lambda k, p: vocab.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
+def uniforms(keys: jax.Array, count: int) -> jax.Array:
+    """The round's acceptance uniforms, `count` a row [B, count] in [0, 1): the chain's one per draft, a draft
+    tree's one per node (decoding/tree.py)."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (count,)))(_fold(keys, _ACCEPT))
+
+
+def draw(keys: jax.Array, probs: jax.Array, vocab: Vocab = FULL) -> jax.Array:
+    """The round's final token of each row from probs [B, V] (unnormalised weights are fine), or prefill's
+    first token: the round key's one categorical draw."""
+    return categorical(_fold(keys, _FINAL), probs, vocab)
+
+
 def draft_key(keys: jax.Array, step: int | jax.Array) -> jax.Array:
     """The key a row samples its draft number `step` (0-based) with, from the round's keys."""
     return jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT + step))(keys)
@@ -295,7 +307,7 @@ def verify(keys, p: Filtered, drafts: jax.Array, q: jax.Array | None, room: jax.
     B, G = drafts.shape
     V = p.logits.shape[-1]
     rows = jnp.arange(B)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_fold(keys, _ACCEPT))
+    u = uniforms(keys, G)
     p_x = p.prob(rows[:, None] * (G + 1) + jnp.arange(G)[None, :], drafts)
     if q is None:
         q_x = jnp.ones_like(p_x)
@@ -320,7 +332,7 @@ def verify(keys, p: Filtered, drafts: jax.Array, q: jax.Array | None, room: jax.
     left = residual(p_a, q_a)
     # p == q up to rounding makes a rejection (nearly) impossible and the residual empty: sample p then.
     left = jnp.where(vocab.sum(left, keepdims=True) > 0, left, p_a)
-    final = categorical(_fold(keys, _FINAL), jnp.where(rejected[:, None], left, p_a), vocab)
+    final = draw(keys, jnp.where(rejected[:, None], left, p_a), vocab)
     idx = jnp.arange(G + 1)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(idx < accepted[:, None], padded, jnp.where(idx == accepted[:, None], final[:, None], 0))
@@ -329,4 +341,4 @@ def verify(keys, p: Filtered, drafts: jax.Array, q: jax.Array | None, room: jax.
 
 def first_token(keys, probs: jax.Array, vocab: Vocab = FULL) -> jax.Array:
     """Prefill's token: a plain draw from the filtered distribution probs [B, V]."""
-    return categorical(_fold(keys, _FINAL), probs, vocab)
+    return draw(keys, probs, vocab)

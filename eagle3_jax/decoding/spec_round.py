@@ -45,6 +45,7 @@ from eagle3_jax.decoding import penalties as penalties_lib
 from eagle3_jax.decoding import proposer as proposer_lib
 from eagle3_jax.decoding import round_output
 from eagle3_jax.decoding import sampling as sampling_lib
+from eagle3_jax.decoding import tree as tree_lib
 from eagle3_jax.decoding.eagle3_proposer import Eagle3
 from eagle3_jax.decoding.prompt_lookup import NO_DRAFT, PromptLookup
 from eagle3_jax.models import kernels as kernels_lib
@@ -125,6 +126,13 @@ class StepSpec:
     # Constrained rows' drafts follow their automata too (masked proposals); False drafts unconstrained (lossless
     # either way: the target's side is masked), for measuring what the masks gain.
     constrain_drafts: bool = True
+    # A draft tree (decoding/tree.py; EAGLE-3 only) instead of a chain: each round drafts its nodes and accepts one
+    # root path, gamma being its depth. None: the chain of gamma drafts.
+    tree: tree_lib.TreeShape | None = None
+
+    def __post_init__(self):
+        if self.tree is not None and self.gamma != self.tree.depth:
+            raise ValueError(f"a draft tree's rounds run gamma = its depth {self.tree.depth}, got gamma {self.gamma}")
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -266,7 +274,14 @@ def _prompt_rows(tparams, hidden, chunk: Chunk, spec: StepSpec) -> jax.Array:
     zeros = jnp.zeros((C,), jnp.int32)
     at_first = jnp.zeros((C, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(columns)
     return round_output.pack(jnp.zeros((C, spec.gamma + 1), jnp.int32), jnp.zeros((C, spec.gamma), jnp.int32), zeros,
-                             zeros, zeros, logprobs=at_first)
+                             zeros, zeros, logprobs=at_first, tree=_no_tree(spec, C))
+
+
+def _no_tree(spec: StepSpec, rows: int):
+    """A tree round's columns (round_output) for `rows` rows that are no round's (a chunk's): zeros; None, a chain's."""
+    if spec.tree is None:
+        return None
+    return (jnp.zeros((rows, spec.tree.nodes), jnp.int32),) * 2 + (jnp.zeros((rows, spec.gamma), jnp.int32),)
 
 
 def _successors(chunk: Chunk, after) -> jax.Array:
@@ -326,14 +341,15 @@ def admit(tparams, dparams, state: DecodeState, chunk: Chunk, logits, features, 
     if state.penalty is not None and chunk.penalties is not None:  # every joining row's settings: no stale ones
         state = dataclasses.replace(state, penalty=penalties_lib.admitted(
             state.penalty, slots, chunk.penalties, chunk.history, n, prompt_lengths, first, penalized))
-    unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width: one unpacking
+    unused = jnp.zeros((P, spec.gamma), jnp.int32)  # a round's width (a tree's columns too): one unpacking
     zeros = jnp.zeros((P,), jnp.int32)
     logprobs = None
     if spec.logprobs:  # the first token's, from the raw logits, then a round's unused positions
         logprobs = jnp.zeros((P, spec.gamma + 1, logprobs_lib.width()), jnp.int32).at[:, 0].set(
             logprobs_lib.columns(logits, first))
     packed = round_output.pack(jnp.concatenate([first[:, None], unused], axis=1), unused,
-                               jnp.where(final, num_emit, 0), zeros, final & done, logprobs=logprobs)
+                               jnp.where(final, num_emit, 0), zeros, final & done, logprobs=logprobs,
+                               tree=_no_tree(spec, P))
     return state, packed
 
 
@@ -364,6 +380,92 @@ def _verify(state: DecodeState, logits, drafts, draft_q, q_ids, keys, room, spec
     return (jnp.where(s.greedy[:, None], choices, drawn), jnp.where(s.greedy, accepted, drawn_accepted))
 
 
+def _target_step(tparams, state: DecodeState, layout: Layout, tokens, chunk: Chunk | None, spec: StepSpec):
+    """The round's target forward over the rows' tokens [B, T] at `layout`, a chunk's tokens riding in it: (logits
+    [B, T, V], the target's pages, features [B, T, C] or None, the chunk's (logits at its segments' last tokens,
+    features [C, F] or None, its `_prompt_rows` with spec.prompt_logprobs or None), or None without a chunk)."""
+    B, T = tokens.shape
+    flat = tokens
+    if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
+        layout, flat = layout.then(chunk.layout), jnp.concatenate([tokens.reshape(-1), chunk.tokens])[None]
+    hidden, target_pages, features = target_lib.forward(
+        tparams, spec.target, flat, state.target_pages, layout, spec.capture_layers, spec.step_kernels, spec.tp
+    )
+    if chunk is None:
+        return target_lib.logits(tparams, hidden, spec.step_kernels), target_pages, features, None
+    # One lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read.
+    last = hidden[0, B * T + chunk.last]
+    both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
+    chunk_out = (both[B * T:], None if features is None else features[0, B * T:],
+                 _prompt_rows(tparams, hidden[0, B * T:], chunk, spec) if spec.prompt_logprobs else None)
+    features = None if features is None else features[0, : B * T].reshape(B, T, -1)
+    return both[: B * T].reshape(B, T, -1), target_pages, features, chunk_out
+
+
+def _tree_round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | None = None):
+    """`_round` with a draft tree (spec.tree, decoding/tree.py): the drafter's tree, its root and nodes verified in
+    one target forward under the tree's mask, one root path accepted (greedily, or by the multi-draft rule for
+    sampled rows), its target KV copied into position order and the drafter rebuilt along it. Penalties count each
+    node's ancestors, a constrained row's masks follow its automaton down each branch, and logprobs are the path's.
+    The features it returns are the path's [B, depth + 1, C]. A constrained row's tree is drafted unconstrained
+    (lossless all the same: the target's side is masked)."""
+    n, shape, vocab = state.lengths, spec.tree, _vocab(spec)
+    B, D = n.shape[0], shape.depth
+    room = spec.max_len - n - 2  # as a chain's: the committed sequence may reach max_len
+    live = ~state.done
+    with jax.named_scope("draft"):
+        tree, carry = spec.proposer.propose_tree(dparams, tparams, state, spec)
+    with jax.named_scope("verify"):
+        tokens = jnp.concatenate([state.last_token[:, None], tree.tokens], axis=1)
+        logits, target_pages, features, chunk_out = _target_step(tparams, state, tree.layout(state.page_table, n, live),
+                                                                 tokens, chunk, spec)
+        # As a chain's: penalties and logit_bias (each node counting its path's tokens), then the constrained rows'
+        # masks (each node at its automaton state down its branch); the logprobs below stay the raw logits'.
+        scored = logits
+        if spec.penalties:
+            scored = penalties_lib.tree_logits(logits, state.penalty, n, tree.tokens, tree.ancestors)
+        if state.grammar is not None:
+            states = tree_lib.automaton_states(state.grammar_tables, state.grammar, tree, D)
+            scored = grammar_lib.mask(state.grammar_tables, state.grammar.table, states, scored)
+        ok = tree_lib.usable(tree, room, spec.max_len - n)
+        path, accepted, choices = tree_lib.greedy_path(tree, vocab.argmax(scored), ok, D)
+        if spec.sampling:
+            s = state.sampling
+            keys = sampling_lib.row_keys(s.seed, n + 1)  # as a chain round's: the first token it emits
+            drawn = tree_lib.sampled_path(tree, scored, s, keys, ok, D, vocab, filter=spec.filter)
+            path, accepted, choices = (jnp.where(s.greedy.reshape((B,) + (1,) * (x.ndim - 1)), x, y)
+                                       for x, y in zip((path, accepted, choices), drawn))
+    new_length = jnp.where(live, n + accepted + 1, n)
+    num_emit, done = _emit(spec, state, choices, accepted + 1, new_length)
+    new_state = dataclasses.replace(
+        state,
+        target_pages=tree_lib.commit(target_pages, state.page_table, n, path, accepted, live),
+        lengths=new_length,
+        last_token=jnp.where(live, choices[jnp.arange(B), accepted], state.last_token),
+        num_generated=state.num_generated + num_emit,
+        done=done,
+    )
+    if spec.penalties:
+        new_state = dataclasses.replace(new_state, penalty=penalties_lib.committed(state.penalty, n, choices,
+                                                                                   state.done))
+    if state.grammar is not None:
+        new_state = dataclasses.replace(new_state, grammar=grammar_lib.committed(
+            state.grammar_tables, state.grammar, jnp.take_along_axis(states, path, axis=1), choices, accepted, live))
+    features = None if features is None else jnp.take_along_axis(features, path[:, :, None], axis=1)
+    with jax.named_scope("rebuild"):
+        new_state = spec.proposer.update(dparams, tparams, state, new_state, carry, choices, accepted, features, spec)
+    depth = jnp.arange(1, D + 1)[None, :]
+    drafts = jnp.where(depth <= accepted[:, None], jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:] - 1, 0), 1),
+                       -1)
+    logprobs = None
+    if spec.logprobs:  # each choice's, from the raw logits of the path's node that chose it
+        along = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+        logprobs = logprobs_lib.columns(along.reshape(B * (D + 1), -1), choices.reshape(-1)).reshape(B, D + 1, -1)
+    packed = round_output.pack(choices, drafts, num_emit, jnp.minimum(accepted, num_emit), done, logprobs=logprobs,
+                               tree=(tree.tokens, tree.parents[:, 1:], path[:, 1:]))
+    return new_state, packed, features, chunk_out
+
+
 def spec_round(tparams, dparams, state: DecodeState, *, spec: StepSpec):
     """Propose up to gamma tokens, verify them in one target step, accept (greedily, or by speculative sampling
     for sampled rows), commit by index, tell the proposer. With gamma 0 and a proposer that reads features, the
@@ -377,6 +479,8 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
     """`spec_round`, also returning the target's features of the verified tokens [B, gamma + 1, C] (or None) and,
     with a chunk riding in its target forward, the chunk's (logits at its segments' last tokens [P, V], features
     [C, F] or None, its `_prompt_rows` [C, width] with spec.prompt_logprobs or None) (else None)."""
+    if spec.tree is not None:
+        return _tree_round(tparams, dparams, state, spec, chunk)
     n = state.lengths
     B, G, proposer = n.shape[0], spec.gamma, spec.proposer
     draft_q = q_ids = carry = None
@@ -402,22 +506,8 @@ def _round(tparams, dparams, state: DecodeState, spec: StepSpec, chunk: Chunk | 
         verify_tokens = state.last_token[:, None]
     with jax.named_scope("verify"):
         T = verify_tokens.shape[1]
-        layout, tokens = Layout.uniform(state.page_table, n, T, ~state.done), verify_tokens
-        if chunk is not None:  # one forward over the rows' tokens, then the chunk's: one read of the weights
-            layout, tokens = layout.then(chunk.layout), jnp.concatenate([verify_tokens.reshape(-1), chunk.tokens])[None]
-        hidden, target_pages, features = target_lib.forward(
-            tparams, spec.target, tokens, state.target_pages, layout, spec.capture_layers, spec.step_kernels, spec.tp
-        )
-        chunk_out = None
-        if chunk is None:
-            logits = target_lib.logits(tparams, hidden, spec.step_kernels)
-        else:  # one lm_head matmul for the rows' tokens and the chunk's segments' last tokens: one weight read
-            last = hidden[0, B * T + chunk.last]
-            both = target_lib.logits(tparams, jnp.concatenate([hidden[0, : B * T], last]), spec.step_kernels)
-            chunk_out = (both[B * T:], None if features is None else features[0, B * T:],
-                         _prompt_rows(tparams, hidden[0, B * T:], chunk, spec) if spec.prompt_logprobs else None)
-            logits = both[: B * T].reshape(B, T, -1)
-            features = None if features is None else features[0, : B * T].reshape(B, T, -1)
+        layout = Layout.uniform(state.page_table, n, T, ~state.done)
+        logits, target_pages, features, chunk_out = _target_step(tparams, state, layout, verify_tokens, chunk, spec)
         # The rows' penalties and logit_bias, each position counting the drafts before it (penalties.py), then the
         # constrained rows' masks; the logprobs below stay the raw logits'.
         scored = penalties_lib.verify_logits(logits, state.penalty, n, drafts) if spec.penalties else logits

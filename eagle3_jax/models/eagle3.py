@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from eagle3_jax.models import collectives, weights
 from eagle3_jax.models.collectives import Shards
 from eagle3_jax.models.config import DrafterConfig
-from eagle3_jax.models.kv_cache import KVPages, Layout, RowCache
+from eagle3_jax.models.kv_cache import KVPages, Layout, RowCache, mask_words
 from eagle3_jax.models.layers import add_rms_norm, gated_mlp, linear, rms_norm, rope_tables
 from eagle3_jax.models.paged_attention import attention_block
 
@@ -160,3 +160,64 @@ def draft_chain(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_
         return drafts, pages_out
     q = jnp.concatenate([first_q[:, None], jnp.moveaxis(rest_q, 0, 1)], axis=1)
     return drafts, q, pages_out
+
+
+def draft_tree(params, cfg: DrafterConfig, embed, hidden, pages: KVPages, page_table, lengths, depth: int,
+               top_k: int, kernels: str, write=None, tp: Shards | None = None):
+    """The candidates of a draft tree, SGLang's EAGLE expansion: `depth` levels of `top_k` beams from hidden [B, D],
+    the pre-norm output at the newest committed pair, for rows whose drafter has `lengths` [B] committed pairs in
+    the pages of page_table [B, W].
+
+    Level 1 is the top_k tokens of the drafter's distribution at `hidden`; they are the first beams. Each of the
+    depth - 1 steps feeds the K beams (as the chain feeds one draft: carried hidden, token) in one forward of K
+    tokens a row, all at RoPE position lengths + step, scores each beam's top_k children by the path's summed
+    log-probability, and keeps the best K of those K x K as the next beams; every scored child is a candidate.
+    Beam b of step f writes its drafter KV at slot lengths + f K + b, past the committed pairs (a tree region of
+    (depth - 1) K slots a row, so that no beam overwrites another's) and attends the committed pairs and its own
+    ancestors' slots (a tree mask: kv_cache.Layout.tree). A lax.scan over the steps, so nothing leaves the device.
+    write [B] bool: the rows whose entries are written (None: every row).
+
+    Returns (scores [B, C] float32, tokens [B, C] target ids, parents [B, C] int32: each candidate's parent
+    candidate, -1 for level 1's, the pages holding the beams' entries), C = K + (depth - 1) K^2 candidates in
+    level order (a parent's index is below its children's); the entries are stale once the round's rebuild
+    writes the accepted pairs over them.
+    """
+    B, K = hidden.shape[0], top_k
+    region = max((depth - 1) * K, 1)
+
+    def top(h):  # [..., D] -> (log-probabilities [..., K], draft vocabulary ids [..., K])
+        logits = draft_logits(params, cfg, h)
+        best, ids = jax.lax.top_k(logits, K)  # the log-softmax's top K, without a pass writing all of it
+        return best - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids
+
+    score, ids = top(hidden)
+    first = (score, to_target_id(params, ids), jnp.repeat(carried(params, cfg, hidden)[:, None], K, axis=1),
+             jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)), jnp.zeros((B, K, region), bool), pages)
+
+    def step(carry, f):
+        score, token, h, candidate, mask, buf = carry
+        mask = mask | jax.nn.one_hot(f * K + jnp.arange(K), region, dtype=bool)[None]
+        positions = jnp.broadcast_to((lengths + f)[:, None], (B, K))
+        layout = Layout.tree(page_table, lengths, lengths + f * K, positions, mask_words(mask), write)
+        out, buf = forward(params, cfg, embed, h, token, buf, layout, kernels, tp)  # [B, K, D]
+        child_score, child_ids = top(out)  # [B, K, K]
+        scores = (score[:, :, None] + child_score).reshape(B, K * K)
+        tokens = to_target_id(params, child_ids).reshape(B, K * K)
+        parents = jnp.repeat(candidate, K, axis=1)
+        best, pick = jax.lax.top_k(scores, K)  # the next beams
+        beam = pick // K
+
+        def of_beam(x):
+            return jnp.take_along_axis(x, beam.reshape(B, K, *([1] * (x.ndim - 2))), axis=1)
+
+        carry = (best, jnp.take_along_axis(tokens, pick, axis=1), of_beam(carried(params, cfg, out)),
+                 (K + f * K * K + pick).astype(jnp.int32), of_beam(mask), buf)
+        return carry, (scores, tokens, parents)
+
+    carry, (scores, tokens, parents) = jax.lax.scan(step, first, jnp.arange(depth - 1, dtype=jnp.int32))
+
+    def levels(level1, later):  # level 1 [B, K], then each step's [depth - 1, B, K^2] -> [B, C]
+        return jnp.concatenate([level1, jnp.moveaxis(later, 0, 1).reshape(B, -1)], axis=1)
+
+    return (levels(first[0], scores), levels(first[1], tokens),
+            levels(jnp.full((B, K), -1, jnp.int32), parents), carry[-1])

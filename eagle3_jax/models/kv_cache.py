@@ -63,7 +63,8 @@ def table_width(max_len: int, page_size: int, tail: int) -> int:
     return -(-(max_len + tail) // page_size)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("page_table", "kv_lens", "cu_q_lens"),
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("page_table", "kv_lens", "cu_q_lens", "tree_start", "tree_bits"),
                    meta_fields=("start", "tokens", "max_q_len", "uniform"))
 @dataclasses.dataclass(frozen=True)
 class Attention:
@@ -78,6 +79,11 @@ class Attention:
     tokens: int  # static: the group's tokens (those past cu_q_lens[-1] belong to no sequence)
     max_q_len: int  # static: at least every sequence's q_len (the kernel's tile plan)
     uniform: bool = False  # static: every sequence has max_q_len tokens, in order (cu_q_lens[s] = s max_q_len)
+    # A draft tree's mask (None: plain causal): sequence s's keys from tree_start[s] on are seen by a query only where
+    # its bits (tree_bits [tokens, W] int32, bit j of the words: key tree_start[s] + j) name them, its ancestors and
+    # itself (pallas_kernels.ragged_paged_attention's tree_start and tree_bits)
+    tree_start: jax.Array | None = None  # [S] int32
+    tree_bits: jax.Array | None = None  # [tokens, W] int32
 
     @property
     def read_table(self) -> jax.Array:
@@ -112,6 +118,21 @@ class Layout:
                    written.reshape(-1), (group,))
 
     @classmethod
+    def tree(cls, page_table, tree_start, first, positions, bits, write=None) -> Layout:
+        """B rows of T tokens of a draft tree (decoding/tree.py): row b's token j at RoPE position positions[b, j]
+        [B, T], written at key slot first[b] + j, seeing its sequence's keys before tree_start[b] [B] and, from
+        there on, the slots its mask bits [B, T, W] int32 name (bit i of the words: slot tree_start[b] + i; its
+        ancestors and itself, all at lower slots); write [B] bool as `uniform`'s."""
+        B, T = positions.shape
+        slots = first[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        written = slots if write is None else jnp.where(write[:, None], slots, -1)
+        group = Attention(page_table, (first + T).astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32) * T, 0,
+                          B * T, T, uniform=True, tree_start=tree_start.astype(jnp.int32),
+                          tree_bits=bits.reshape(B * T, bits.shape[-1]))
+        return cls(page_table, positions.reshape(-1).astype(jnp.int32), jnp.repeat(jnp.arange(B, dtype=jnp.int32), T),
+                   written.reshape(-1), (group,))
+
+    @classmethod
     def ragged(cls, page_table, start, cu_q_lens, num_tokens: int) -> Layout:
         """S sequences of a packed batch of num_tokens tokens (a prefill chunk): sequence s owns tokens cu_q_lens[s]
         .. cu_q_lens[s + 1] - 1, at positions start[s] onwards, all written; tokens past cu_q_lens[-1] belong to none
@@ -138,6 +159,39 @@ class Layout:
                       jnp.concatenate([jnp.where(self.seq < S, self.seq, S + other.page_table.shape[0]),
                                        other.seq + S]),
                       jnp.concatenate([self.write_positions, other.write_positions]), self.groups + moved)
+
+
+def mask_words(mask) -> jax.Array:
+    """A tree mask as Layout.tree takes it: bool [..., R] (entry i: slot i of the tree region) -> int32 words
+    [..., ceil(R / 32)], slot i at bit i % 32 of word i // 32."""
+    R = mask.shape[-1]
+    W = -(-R // 32)
+    padded = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, W * 32 - R)])
+    bits = padded.reshape(*mask.shape[:-1], W, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)
+
+
+def copy_entries(pages: KVPages, page_table, source, dest) -> KVPages:
+    """Every layer's K/V at key slots source [B, M] of each row copied to its slots dest [B, M] (-1: nothing), all
+    read before any is written (a draft tree's accepted path moved into position order: decoding/tree.py). A slot
+    in a page the row does not own reads page 0 and writes nothing."""
+    page_size, width = pages.page_size, page_table.shape[1]
+    rows = jnp.arange(page_table.shape[0])[:, None]
+
+    def page_of(slot):
+        column = slot // page_size
+        page = page_table[rows, jnp.clip(column, 0, width - 1)]
+        return jnp.where((slot >= 0) & (column < width), page, -1), slot % page_size
+
+    src_page, src_slot = page_of(source)
+    dst_page, dst_slot = page_of(dest)
+    src_page = jnp.maximum(src_page, 0)
+    dst_page = jnp.where((dst_page >= 0) & (dst_page < pages.num_pages), dst_page, pages.num_pages)  # past: dropped
+
+    def copy(x):
+        return x.at[:, dst_page, dst_slot].set(x[:, src_page, src_slot], mode="drop")
+
+    return KVPages(tuple(copy(k) for k in pages.k), tuple(copy(v) for v in pages.v))
 
 
 @jax.tree_util.register_dataclass

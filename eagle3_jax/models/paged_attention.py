@@ -89,10 +89,13 @@ def attention_block(qkv, cos, sin, k_pages, v_pages, layout: Layout, *, num_head
                                        k.reshape(B * T, K, H), v.reshape(B * T, K, H))
     if kernels_lib.exact(kernels):
         (group,) = layout.groups
+        if group.tree_bits is not None:
+            raise ValueError("the exact kernels' attention has no tree mask")
         return _invariant(q, k_pages, v_pages, group), k_pages, v_pages
     flat = q.reshape(B * T, N, H)
     outs = [attend(flat[g.start : g.start + g.tokens], k_pages, v_pages, g.read_table, g.kv_lens, g.cu_q_lens,
-                   max_q_len=g.max_q_len, kernels=kernels, uniform=g.uniform) for g in layout.groups]
+                   max_q_len=g.max_q_len, kernels=kernels, uniform=g.uniform, tree_start=g.tree_start,
+                   tree_bits=g.tree_bits) for g in layout.groups]
     return jnp.concatenate(outs).reshape(B, T, N, H), k_pages, v_pages
 
 
@@ -114,18 +117,21 @@ def _invariant(q, k_pages, v_pages, group):
 
 
 def attend(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, max_q_len: int, kernels: str,
-           uniform: bool = False) -> jax.Array:
+           uniform: bool = False, tree_start=None, tree_bits=None) -> jax.Array:
     """Ragged paged attention of q [T, N, H] -> [T, N, H]: the Mosaic GPU kernel where it runs
     (uses_paged_kernel), the XLA path everywhere else. page_table: every entry a page of the pool (the layout's
     read_table). uniform: the group is a uniform batch (kv_cache.Attention.uniform), which the kernel's merge
-    of its splits uses. The EXACT kernels take `attention_block`'s own path (a uniform batch), not this one."""
+    of its splits uses. tree_start, tree_bits: a draft tree's mask (kv_cache.Attention), or None. The EXACT kernels
+    take `attention_block`'s own path (a uniform batch), not this one."""
     if kernels_lib.exact(kernels):
         raise ValueError(f"kernels={kernels!r}: batch-invariant attention runs through attention_block")
     scale = q.shape[-1] ** -0.5
     if uses_paged_kernel(q, k_pages, v_pages, max_q_len=max_q_len, kernels=kernels, on_hopper=kernels_lib.hopper()):
         return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale,
-                                                     max_q_len=max_q_len, uniform=uniform)
-    return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale, max_q_len=max_q_len)
+                                                     max_q_len=max_q_len, uniform=uniform, tree_start=tree_start,
+                                                     tree_bits=tree_bits)
+    return paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, scale=scale, max_q_len=max_q_len,
+                               tree_start=tree_start, tree_bits=tree_bits)
 
 
 def uses_paged_kernel(q, k_pages, v_pages, *, max_q_len: int, kernels: str, on_hopper: bool) -> bool:
@@ -139,14 +145,17 @@ def uses_paged_kernel(q, k_pages, v_pages, *, max_q_len: int, kernels: str, on_h
 XLA_BLOCK = 16  # queries per work item of the XLA path: a chunk's queries never share one [queries, keys] block
 
 
-def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale: float, max_q_len: int):
+def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, scale: float, max_q_len: int,
+                        tree_start=None, tree_bits=None):
     """Causal GQA attention of a ragged token batch q [T, N, H] over pages -> [T, N, H] in q's dtype.
 
     Work items of at most Q = min(max_q_len, XLA_BLOCK) queries of one sequence, as the kernel's tiles: item w
     gathers its sequence's pages into a [K, pages_per_seq * page_size, H] cache and its queries into Q rows, so the
     work grows with the tokens and the keys, never with sequences x max_q_len. Scores and softmax in float32,
     probabilities cast to q's dtype. Keys past kv_len are masked and their V zeroed, so any page-table entry or slot
-    past a sequence's keys is harmless. Tokens past cu_q_lens[-1] get zeros.
+    past a sequence's keys is harmless. Tokens past cu_q_lens[-1] get zeros. tree_start [S], tree_bits [T, W]: the
+    kernel's tree mask (pallas_kernels.ragged_paged_attention), keys from tree_start on seen only where a query's
+    bits name them.
     """
     T, N, H = q.shape
     K, _, page_size, _ = k_pages.shape
@@ -173,6 +182,9 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
     key = jnp.arange(L, dtype=jnp.int32)[None, None, :]
     in_use = key < kv_lens[seq][:, None, None]
     visible = (key <= position[:, :, None]) & in_use & real[:, :, None]  # [items, Q, L]
+    if tree_bits is not None:
+        rows = tree_bits[jnp.clip(cu_q_lens[seq][:, None] + local, 0, T - 1)]  # [items, Q, W]
+        visible = visible & tree_shown(key - tree_start[seq][:, None, None], rows)
     v = jnp.where(in_use[:, 0][None, :, :, None], v, 0)
     qs, k, v = (widen_on_cpu(x) for x in (qs, k, v))
     scores = jnp.einsum("iqkgh,kith->ikgqt", qs, k, preferred_element_type=jnp.float32) * scale
@@ -186,6 +198,18 @@ def paged_attention_xla(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, 
     token_local = jnp.arange(T, dtype=jnp.int32) - cu_q_lens[token_seq]
     at = jnp.clip((first_item[token_seq] + token_local // Q) * Q + token_local % Q, 0, items * Q - 1)
     return jnp.where(is_real[:, None, None], out[at], 0).astype(dtype)
+
+
+def tree_shown(rel, words) -> jax.Array:
+    """Which keys a tree mask shows: rel [..., L], each key's offset from its sequence's tree start, and words
+    [..., W] int32, each query's bits -> bool [..., L]: every key before the start (rel < 0), and key rel >= 0 when
+    bit rel % 32 of word rel // 32 is set (none past the W words)."""
+    shown = rel < 0
+    for w in range(words.shape[-1]):
+        shift = rel - 32 * w
+        bit = jax.lax.shift_right_logical(words[..., w : w + 1], jnp.clip(shift, 0, 31)) & 1
+        shown = shown | ((shift >= 0) & (shift < 32) & (bit != 0))
+    return shown
 
 
 def widen_on_cpu(x: jax.Array) -> jax.Array:

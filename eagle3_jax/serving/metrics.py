@@ -64,7 +64,8 @@ class Metrics:
         lines = (_metric("gauge", "requests_running", "Requests holding a slot of the pool.", self.pool.running)
                  + _metric("gauge", "requests_waiting", "Requests waiting for a slot.", self.pool.waiting)
                  + _metric("counter", "spec_draft_tokens_total",
-                           "Draft positions of the rounds that emitted tokens (gamma each).", self.pool.draft_tokens)
+                           "Draft positions of the rounds that emitted tokens (gamma each; a draft tree's nodes).",
+                           self.pool.draft_tokens)
                  + _metric("counter", "spec_accepted_tokens_total", "Draft tokens accepted by the target.",
                            self.pool.accepted_tokens)
                  + _metric("counter", "generation_tokens_total", "Tokens generated.", self.generation_tokens)

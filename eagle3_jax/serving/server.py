@@ -93,7 +93,8 @@ def serve(args) -> int:
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=args.num_draft_tokens, max_len=args.max_len,
                                max_batch=args.max_batch, max_draft_tokens=args.max_draft_tokens, mesh=mesh,
                                kv_tokens=args.kv_tokens, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                               rounds_per_call=args.rounds_per_call)
+                               rounds_per_call=args.rounds_per_call, draft_depth=args.draft_depth,
+                               draft_top_k=args.draft_top_k)
     compilations = warm_start.Compilations()  # /metrics reports them: none after a warm start
     defaults = request_defaults(args.target)
     programs = warm_up(engine, defaults)
