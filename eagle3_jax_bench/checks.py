@@ -70,19 +70,19 @@ def engine_generate(run: Run, target: Target, drafter: Drafter, gamma: int, kern
     engine = Engine(target, drafter, num_draft_tokens=gamma, max_len=256, kernels=kernels,
                     rounds_per_call=rounds_per_call)
     prompt = [list(range(5, 5 + 16))]
-    engine.generate(prompt, 4)  # compile
+    engine.generate(prompt, new_tokens)  # compile: the same calls, with prompt tokens and without
     with jax.transfer_guard("disallow"), count_compilations() as compilations:
         start = time.perf_counter()
         (result,) = engine.generate(prompt, new_tokens)
         seconds = time.perf_counter() - start
     fetches = [shape for kind, shape in engine.device_events if kind == "transfer"]
+    calls = sum(kind == "call" for kind, _ in engine.device_events)
     rounds = len(result.accept_lengths)
     run.record("engine", {
         "gamma": gamma, "kernels": kernels, "tokens": len(result.token_ids), "rounds": rounds,
         "tokens_per_s": len(result.token_ids) / seconds, "tau": len(result.token_ids[1:]) / max(rounds, 1),
         "rounds_per_call": engine.rounds_per_call, "device_to_host_transfers": len(fetches),
-        # prefill, then each call of rounds_per_call rounds
-        "transfers_per_call": len(fetches) / (1 + -(-rounds // engine.rounds_per_call)),
+        "transfers_per_call": len(fetches) / calls,  # the prompt's call, then calls of rounds_per_call rounds
         "transfer_shape": list(fetches[0]), "host_syncs_inside_a_round": 0,
         "compilations_in_the_timed_request": compilations.count,
     })

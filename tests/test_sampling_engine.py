@@ -139,17 +139,18 @@ def test_first_three_tokens_follow_the_exact_distribution(tiny, exact, gamma, pr
 
 
 def test_first_three_tokens_follow_the_exact_distribution_through_a_change_of_gamma(tiny, exact):
-    """num_draft_tokens="auto" with costs that make gamma 2 cheapest at the prompt's KV length and gamma 0
-    beyond it: the first call drafts 2, and a row that accepted no draft takes its third token from a plain
-    step (a gamma-0 call holding its pair back from the drafter). A fifth of the samples, for the suite's
-    time: the gate still rejects the "accept every draft" sampler of test_the_gate_rejects_wrong_samplers at
-    p < 1e-12 in such a configuration."""
+    """num_draft_tokens="auto" with costs that make gamma 2 cheapest up to the KV length after the first token and
+    gamma 0 beyond it: the call that prefills the prompt gives the first token (its row joins the call's rounds
+    after the round its chunk ran in, and there is one), the next call drafts 2, and a row that accepted no draft
+    takes its third token from a plain step (a gamma-0 call holding its pair back from the drafter). A fifth of
+    the samples, for the suite's time: the gate still rejects the "accept every draft" sampler of
+    test_the_gate_rejects_wrong_samplers at p < 1e-12 in such a configuration."""
     _, target, drafter = tiny
     n = N // 5
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens="auto", max_draft_tokens=2, max_len=MAX_LEN,
                                proposal="sample", rounds_per_call=1, max_batch=n, prefill_chunk=len(PROMPT) * n,
                                prefill_sequences=n,
-                               round_costs=lambda batch, length: [3, 2, 1] if length < 3.5 else [1, 2, 3])
+                               round_costs=lambda batch, length: [3, 2, 1] if length < 4.5 else [1, 2, 3])
     results = engine.generate([PROMPT] * n, 3, temperature=PLAIN_07[0], seed=list(range(31, 31 + n)))
     assert {tuple(r.gammas) for r in results} == {(2,), (2, 0)}
     assert gate_p_value(np.array([r.token_ids for r in results]), exact[PLAIN_07]) > 1e-4
