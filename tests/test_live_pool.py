@@ -429,3 +429,21 @@ def test_a_pool_on_a_two_device_mesh_gives_each_prompt_its_output_alone(tmp_path
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(MESH_SCRIPT.format(root=tmp_path))], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "mesh ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_prompt_ending_in_a_calls_last_round_reserves_only_the_calls_it_runs_in():
+    """A 16-token prompt in chunks of 8 ends in the second (last) round of the first call, so it runs none of that
+    call's rounds: after the next call is read, the positions its row can have written are its committed ones (no
+    stale reservation left behind, which would make every later page estimate one call's reach too high)."""
+    scheduler = new_scheduler(4, chunk=8)
+    scheduler.add(0, row(16, 40, ()))
+    step = scheduler.plan(rounds_in_flight=0)
+    assert [s[3] for s in segments(step.chunk, 0)] == [False] and [s[3] for s in segments(step.chunk, 1)] == [True]
+    live = scheduler.requests[0]
+    scheduler.read("rounds", 1, step.owners, call_output(step, None, [None, [([5], 0, 0)] + [([], 0, 0)] * 3]),
+                   step.chunk.owners)
+    assert live.horizon == live.committed == 16
+    step = scheduler.plan(rounds_in_flight=0)
+    assert live.horizon == 16 + 2 * 2  # this call's 2 rounds of gamma 1
+    scheduler.read("rounds", 1, step.owners, call_output(step, [[([6, 7], 1, 0)], [([8, 9], 1, 0)]]))
+    assert live.horizon == live.committed == 20

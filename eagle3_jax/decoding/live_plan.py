@@ -337,8 +337,9 @@ class LiveScheduler:
             self._last_gamma = rounds.gamma
             for r in busy:
                 self.requests[r].unread.append(self.rounds_per_call * (rounds.gamma + 1))
-            for live, j in joiners:
-                live.unread.append((self.rounds_per_call - 1 - j) * (rounds.gamma + 1))
+            for live, j in joiners:  # a prompt ending in the last round runs none of this call's rounds
+                if j < self.rounds_per_call - 1:
+                    live.unread.append((self.rounds_per_call - 1 - j) * (rounds.gamma + 1))
         if self.alone:  # an exact engine: a chunk is a call of its own, after the call of rounds
             chunk = self._chunks(1, [], alone=True)
         table = None
