@@ -36,3 +36,31 @@ def test_each_file_counts_its_compilations_and_the_table_sums_the_processes(tmp_
     assert totals(lines)["a.py"]["programs"] == 5
     assert table(totals(lines)).splitlines()[2:] == ["| `b.py` | 9 | 9 | 1 |", "| `a.py` | 5 | 3 | 1 |",
                                                       "| all | 14 | 12 | 2 |"]
+
+
+def test_a_warm_start_marker_counts_only_with_every_program_cached_and_the_cache_there(tmp_path):
+    """decoding/warm_start.py: no marker where jax's cache keeps only slow programs (its default minimum compile
+    time); with the CLI's 0, the marker's key sees the configuration, and a marker left beside an emptied cache
+    folder does not count as warm."""
+    import jax
+
+    from eagle3_jax.decoding import warm_start
+
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_persistent_cache_min_compile_time_secs")
+    previous = [getattr(jax.config, name) for name in names]
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        assert warm_start.marker({"a": 1}) is None
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        path = warm_start.marker({"a": 1})
+        assert path.parent == tmp_path / "compiled" and path != warm_start.marker({"a": 2})
+        warm_start.mark(path, 3)
+        (tmp_path / "xla").mkdir()
+        assert not warm_start.is_warm(path)  # the cache folder is empty
+        (tmp_path / "xla" / "entry-cache").write_bytes(b"x")
+        assert warm_start.is_warm(path) and json.loads(path.read_text()) == {"programs": 3}
+    finally:
+        for name, value in zip(names, previous):
+            jax.config.update(name, value)

@@ -716,9 +716,12 @@ LOGPROB_BAD = [  # (endpoint, body, the field named)
     ("completions", {"logit_bias": {"w3": 1}}, "logit_bias"),
     ("completions", {"logit_bias": {"3": 101}}, "logit_bias"),
     ("completions", {"logit_bias": {"48": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²": a digit to str.isdigit, not to int()
+    ("completions", {"repetition_penalty": float("inf")}, "repetition_penalty"),  # JSON's Infinity: the pool's check
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": 1}, "logprobs"),
+    ("chat", {"max_completion_tokens": 5}, "max_completion_tokens"),  # beside the request's max_tokens 4
 ]
 
 
@@ -726,7 +729,8 @@ LOGPROB_BAD = [  # (endpoint, body, the field named)
 def test_bad_logprobs_and_penalties_are_refused_naming_the_field(server, endpoint, body, field):
     request = {"model": "tiny", "max_tokens": 4, **body}
     request |= {"prompt": [1, 2]} if endpoint == "completions" else {"messages": [{"role": "user", "content": "w5"}]}
-    response = httpx.post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions", json=request)
+    response = httpx.post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                          content=json.dumps(request), headers={"content-type": "application/json"})  # Infinity too
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.json()
 
 
@@ -808,3 +812,28 @@ def test_lm_evaluation_harness_against_the_server(oracle_server, random_world, t
             assert is_greedy == all(int(np.argmax(r)) == t for r, t in zip(rows, continuation))
     greedy_flags = [r[0][1] for r in results["samples"]["e3_choice"][0]["resps"]]
     assert greedy_flags[0]  # the planted greedy continuation (the check can fail)
+
+
+def test_a_fault_of_the_servers_own_gets_an_openai_error_body_and_the_server_keeps_serving():
+    """An exception the handlers do not expect (here the tokenizer's) is a 500 with OpenAI's error body, not
+    Starlette's plain text, and the app answers the next request."""
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from eagle3_jax.serving.app import ServerState, build_app
+
+    class BrokenTokenizer:
+        chat_template = None
+
+        def __call__(self, text, **kwargs):
+            raise RuntimeError("the tokenizer broke")
+
+    pool = types.SimpleNamespace(error=None, engine=types.SimpleNamespace(max_len=64))
+    state = ServerState(pool, BrokenTokenizer(), "tiny", dict(OPENAI_DEFAULTS), (0,), metrics=object())
+    client = TestClient(build_app(state), raise_server_exceptions=False)
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+    assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "the tokenizer broke" in error["message"] and error["code"] == 500
+    assert client.get("/health").status_code == 200

@@ -137,6 +137,9 @@ BAD = [
     (dict(json_schema={"oneOf": [{"type": "integer"}, {"type": "number"}]}), "'oneOf'"),
     (dict(json_schema={"type": "array", "uniqueItems": True}), "'uniqueItems'"),
     (dict(json_schema={"properties": {"a": {"type": "string", "not": {}}}}), r"properties\.a uses 'not'"),
+    # jsonschema's metaschema check: a kept keyword's value of the wrong type is refused, not dropped from the regex
+    (dict(json_schema={"type": "array", "minItems": "x"}), r"schema\.minItems is not valid JSON schema"),
+    (dict(json_schema={"allOf": 5}), r"schema\.allOf is not valid JSON schema"),
 ]
 
 
@@ -336,6 +339,9 @@ def test_the_server_serves_every_kind(client, pair, endpoint, fields, kind):
     ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "grammar"),
     ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
     ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"allOf": 5}}}},
+     "not valid JSON schema"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}}, "give type json_schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
 ])
 def test_bad_constraints_get_400(client, fields, message):

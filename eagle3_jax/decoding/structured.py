@@ -71,6 +71,7 @@ class Structured:
             if not isinstance(self.json_schema, dict):
                 raise ValueError(f"Structured's json_schema must be a dict (a JSON schema), got "
                                  f"{type(self.json_schema).__name__}")
+            check_syntax(self.json_schema)
             check_schema(self.json_schema)
 
     def __hash__(self):
@@ -127,6 +128,22 @@ def json_object_regex(depth: int) -> str:
         return rf"\{{({member}(,{member})*)?\}}"
 
     return obj(depth + 1)
+
+
+def check_syntax(schema: dict) -> None:
+    """ValueError where `schema` is not a JSON schema by its draft's metaschema (2020-12 unless its `$schema` names
+    another): a keyword's value of the wrong type (`"minItems": "x"`, `"allOf": 5`) is refused before any keyword is
+    read, rather than dropped from the regex."""
+    try:
+        import jsonschema
+    except ImportError:
+        raise ImportError("JSON schemas need jsonschema: pip install 'eagle3-jax[structured]'") from None
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        raise ValueError(f"the schema{where} is not valid JSON schema: {e.message}") from None
 
 
 def check_schema(schema, where: str = "the schema") -> None:

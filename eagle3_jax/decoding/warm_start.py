@@ -62,9 +62,11 @@ def source_hash() -> str:
 
 
 def marker(fields: dict) -> Path | None:
-    """The marker file of a configuration, or None where the persistent compilation cache is off."""
+    """The marker file of a configuration, or None where the persistent compilation cache is off or keeps only some
+    programs (jax's default stores only those that took a second or more to compile; the CLI sets 0)."""
     folder = jax.config.jax_compilation_cache_dir
-    if not folder or not jax.config.jax_enable_compilation_cache:
+    if not folder or not jax.config.jax_enable_compilation_cache or \
+            jax.config.jax_persistent_cache_min_compile_time_secs > 0:
         return None
     full = {**fields, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "jaxlib": importlib.metadata.version("jaxlib"), "sources": source_hash()}
@@ -73,7 +75,10 @@ def marker(fields: dict) -> Path | None:
 
 
 def is_warm(path: Path | None) -> bool:
-    return path is not None and path.exists()
+    """Whether the marker is there and the cache folder beside it holds something (a cache deleted on its own
+    leaves a marker that would otherwise claim programs that are gone)."""
+    cache = Path(jax.config.jax_compilation_cache_dir or "").expanduser()
+    return path is not None and path.exists() and cache.is_dir() and any(cache.iterdir())
 
 
 def mark(path: Path | None, programs: int) -> None:

@@ -108,7 +108,8 @@ async def _compile(state: ServerState, structured: Structured | None) -> None:
 # The request field the live pool's check names in its message (the first word found).
 _PARAMS = (("logit_bias", "logit_bias"), ("stop token", "stop_token_ids"), ("prompt", "prompt"),
            ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
-           ("tensor-parallel", None))
+           ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
+           ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"), ("tensor-parallel", None))
 
 
 @dataclasses.dataclass
@@ -277,6 +278,11 @@ def build_app(state: ServerState) -> FastAPI:
         kind = {404: "not_found_error", 405: "method_not_allowed"}.get(e.status_code, "invalid_request_error")
         return JSONResponse(error_body(message, kind, e.status_code), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):  # a fault of the server's own: the body is still OpenAI's
+        return JSONResponse(error_body(f"the server failed on this request: {e!r}", "server_error", 500),
+                            status_code=500)
 
     @app.middleware("http")
     async def gate(request: Request, call_next):

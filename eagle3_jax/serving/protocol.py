@@ -54,6 +54,13 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @field_validator("json_schema")
+    @classmethod
+    def _only_with_its_type(cls, schema, info):
+        if schema is not None and info.data.get("type") != "json_schema":
+            raise ValueError(f"json_schema is given with type {info.data.get('type')!r}: give type json_schema")
+        return schema
+
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs extension: exactly one of json (a schema, or its text), regex, choice, or
@@ -113,7 +120,7 @@ class _Generation(BaseModel):
             if len(bias) > BIAS_WIDTH:
                 raise ValueError(f"at most {BIAS_WIDTH} tokens, got {len(bias)}")
             for key in bias:
-                if not key.isdigit():
+                if not (key.isascii() and key.isdecimal()):  # "²" is a digit to str.isdigit, not to int()
                     raise ValueError(f"keys are token ids, got {key!r}")
         return bias
 
@@ -240,6 +247,9 @@ class ChatCompletionRequest(_Generation):
                 return choice, f"`{choice}` {chosen!r} names a tool, and no `{tools}` were given"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "`top_logprobs` needs `logprobs` true"
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            return "max_completion_tokens", (f"`max_completion_tokens` {self.max_completion_tokens} and `max_tokens` "
+                                             f"{self.max_tokens} disagree: give one")
         return super().refusal()
 
     def logprob_count(self) -> int | None:
