@@ -63,11 +63,12 @@ def pytest_sessionfinish(session):
 
 
 # Each program XLA:CPU compiles keeps three memory mappings per kernel (code, constants, data: about 330 for one of
-# the engine's tiny calls), and jax keeps every program: a worker that runs many tests passes the kernel's mapping
-# limit (vm.max_map_count, 65530 by default) after about 200 of them, and XLA then fails its next compile ("Cannot
-# allocate memory") or crashes. After any test that compiled 16 programs or more since the last count, the worker's
-# mappings are counted, and past half the limit jax's caches are cleared, which frees them; below that, later tests
-# keep reusing earlier compilations.
+# the engine's tiny calls) and some 20-70 MB of memory, and jax keeps every program: a worker that runs many tests
+# passes the kernel's mapping limit (vm.max_map_count, 65530 by default) after about 200 of them, and XLA then fails
+# its next compile ("Cannot allocate memory") or crashes, or two workers outgrow the machine's memory (a worker of
+# 7.8 GB was killed on the 24 GB machine). After any test that compiled 16 programs or more since the last look, a
+# worker past half the mapping limit or a sixth of the machine's memory clears jax's caches and hands the freed memory
+# back to the system (malloc_trim); below that, later tests keep reusing earlier compilations.
 _MAPS = Path("/proc/self/maps")
 _MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
 _compiled_since_count = [0]
@@ -77,15 +78,25 @@ def _count_compile(event: str, duration: float, **kwargs) -> None:
     _compiled_since_count[0] += event == "/jax/core/compile/backend_compile_duration"
 
 
+def _crowded() -> bool:
+    """Whether this process holds more than half the mapping limit or a sixth of the machine's memory."""
+    with _MAPS.open() as maps:
+        if sum(1 for _ in maps) > int(_MAP_LIMIT.read_text()) // 2:
+            return True
+    resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resident > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 6
+
+
 @pytest.fixture(autouse=True)
-def _bounded_memory_mappings():
+def _bounded_memory():
     yield
     if _compiled_since_count[0] >= 16 and _MAPS.exists() and _MAP_LIMIT.exists():
         _compiled_since_count[0] = 0
-        with _MAPS.open() as maps:
-            count = sum(1 for _ in maps)
-        if count > int(_MAP_LIMIT.read_text()) // 2:
+        if _crowded():
+            import ctypes
+
             import jax
 
             jax.clear_caches()
             gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
