@@ -46,12 +46,19 @@ def save_tokenizer(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def save_world(root: Path, target_world: str, drafter_world: str):
+    """A 4-layer target of `target_world` with the word tokenizer in root/target, its drafter in root/drafter;
+    returns the target's transformers model."""
+    model, target = worlds.save_target(target_world, root / "target", layers=4)
+    worlds.save_drafter(drafter_world, root / "drafter", target)
+    save_tokenizer(root / "target")
+    return model
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    _, target = worlds.save_target("permutation", root / "target", layers=4)
-    worlds.save_drafter("pi2", root / "drafter", target)
-    save_tokenizer(root / "target")
+    save_world(root, "permutation", "pi2")
     return root
 
 
@@ -578,10 +585,7 @@ def test_omitted_settings_come_from_generation_config_else_openais_temperature_1
 def random_world(tmp_path_factory):
     """(folders, the target's transformers model in float32): the random target and drafter, the word tokenizer."""
     root = tmp_path_factory.mktemp("serve_random")
-    model, target = worlds.save_target("random", root / "target", layers=4)
-    worlds.save_drafter("random", root / "drafter", target)
-    save_tokenizer(root / "target")
-    return root, model.float()
+    return root, save_world(root, "random", "random").float()
 
 
 @pytest.fixture(scope="module")
