@@ -11,7 +11,7 @@ import tempfile
 
 import jax
 
-from eagle3_jax.decoding.warm_start import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT
+from eagle3_jax.decoding.warm_start import BACKEND_COMPILE_EVENT, Compilations
 
 
 def gpu_events(run) -> list[tuple[str, float, float]]:
@@ -118,34 +118,35 @@ def kernel_count(compiled) -> int:
 
 
 class count_compilations(contextlib.ContextDecorator):
-    """Counts XLA backend compilations inside a `with` block (JAX's own monitoring events, not timing); with
-    fun_name, only those of functions of that __name__ (the event's `fun_name` wraps it: "jit(name)"). Without
-    fun_name, a program loaded from the persistent compilation cache is not one (its load emits the compile event
-    and a cache hit)."""
+    """Counts XLA backend compilations inside a `with` block (JAX's own monitoring events, not timing): without
+    fun_name, warm_start.Compilations' count (a program loaded from the persistent compilation cache is not one);
+    with fun_name, only those of functions of that __name__ (the event's `fun_name` wraps it: "jit(name)")."""
 
     def __init__(self, fun_name: str | None = None):
         self.fun_name = fun_name
 
     def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        jax.monitoring.register_event_listener(self._hit)
+        self._named, self._all = 0, None
+        if self.fun_name is None:
+            self._all = Compilations()
+        else:
+            jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 
-    def _listen(self, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT and self.fun_name in (None, _bare(kwargs.get("fun_name", ""))):
-            self.count += 1
+    @property
+    def count(self) -> int:
+        return self._named if self._all is None else self._all.count
 
-    def _hit(self, event: str, **kwargs) -> None:
-        if event == CACHE_HIT_EVENT and self.fun_name is None:
-            self.count -= 1
+    def _listen(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT and self.fun_name == _bare(kwargs.get("fun_name", "")):
+            self._named += 1
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-        jax.monitoring.unregister_event_listener(self._hit)
+        if self._all is None:
+            jax.monitoring.unregister_event_duration_listener(self._listen)
+        else:
+            self._all.close()
         return False
-
-
 
 
 def _bare(fun_name: str) -> str:
