@@ -51,14 +51,14 @@ class LivePool:
     """An engine's pool serving requests submitted at any time from any thread (see the module docstring).
     max_batch: the pool's slots (None: the engine's); trace: whether events carry each speculative round's drafts
     and target choices; events: a list the pool appends its device operations to (Engine.device_events' kinds),
-    or None."""
+    or None to record nothing (a long-lived pool, the server's, would otherwise grow with every call)."""
 
     def __init__(self, engine, stop_width: int = STOP_WIDTH, *, max_batch: int | None = None, trace: bool = False,
                  events: list | None = None):
         if not isinstance(stop_width, int) or stop_width < 1:
             raise ValueError(f"stop_width must be a positive int, got {stop_width!r}")
         self.engine, self.stop_width = engine, stop_width
-        self._events = events if events is not None else []
+        self._events = events
         # On a mesh the steps' shard_maps fix which state fields exist per build, and only the sampling build's
         # carry every row's settings: its calls run every row there, greedy rows on its argmax path.
         self._always_sampling = engine.spec.tp is not None
@@ -212,7 +212,7 @@ class LivePool:
                 if not self._queue:  # running requests, and nothing planned for them: they would never finish
                     raise RuntimeError("the live pool's scheduler planned nothing for its running requests")
                 kind, packed, gamma, owners, chunk_owners, synced, prompt_segments = self._queue.popleft()
-                self._events.append(("transfer", tuple(packed.shape)))
+                self._record("transfer", tuple(packed.shape))
                 self._deliver(self._scheduler.read(kind, gamma, owners, self.engine.steps.fetch(packed),
                                                    chunk_owners, synced, prompt_segments))
         except BaseException as e:  # a device or compiler failure: every request ends, the pool refuses more
@@ -220,6 +220,10 @@ class LivePool:
                 self.error = e
                 self._take_inbox()
             self._deliver([Event(r, [], 0, 0, True, "error") for r in list(self._callbacks)])
+
+    def _record(self, kind: str, shape: tuple[int, ...]) -> None:
+        if self._events is not None:
+            self._events.append((kind, shape))
 
     def _rounds_in_flight(self) -> int:
         return sum(entry[0] == "rounds" for entry in self._queue)
@@ -248,7 +252,7 @@ class LivePool:
         engine, scheduler, steps, pages = self.engine, self._scheduler, self.engine.steps, self._pages
         params = (engine.target.params, engine.draft_params)
         if step.allocate:
-            self._events.append(("allocate", (step.allocate,)))
+            self._record("allocate", (step.allocate,))
             self._rows = steps.empty(engine.spec, step.allocate, engine.table_width, self.stop_width,
                                      engine.target.params["embed"].dtype)
         stopped = step.release + step.preempt
@@ -270,7 +274,7 @@ class LivePool:
             spec = dataclasses.replace(build, gamma=step.rounds.gamma, flush=step.rounds.flush,
                                        prompt_logprobs=mixed and bool(chunk.prompt_segments))
             width = step.owners.shape[1]
-            self._events.append(("call", (engine.rounds_per_call, width, chunk.prompt_tokens if mixed else 0)))
+            self._record("call", (engine.rounds_per_call, width, chunk.prompt_tokens if mixed else 0))
             index = None if step.rows is None else steps.put(step.rows)
             on_device = steps.put(device_chunks(chunk, step.rows, scheduler.capacity)) if mixed else None
             rows = self._rows if index is None else jit_take(self._rows, index)
@@ -282,7 +286,7 @@ class LivePool:
             self._queue.append(("rounds", packed, step.rounds.gamma, step.owners, chunk.owners if mixed else None,
                                 synced, chunk.prompt_segments if mixed else ()))
         if chunk is not None and chunk.alone:
-            self._events.append(("prefill", (chunk.prompt_tokens,)))
+            self._record("prefill", (chunk.prompt_tokens,))
             state = spec_round.with_pages(self._rows, pages.arrays)
             on_device = steps.put(jax.tree.map(lambda x: x[0], device_chunks(chunk)))
             spec = engine.prefill_build(build, prompt_logprobs=bool(chunk.prompt_segments))
