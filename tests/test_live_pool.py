@@ -56,6 +56,8 @@ PROMPTS = [[3, 17, 5], [40, 2, 9, 11, 30, 7], [1] * 20, [8, 8], [44, 12, 19, 27]
 
 
 def test_requests_submitted_while_it_runs_equal_their_outputs_alone(world):
+    """Two requests, then three more once the pool runs: each equals its output alone. The pool, given no events
+    list (as the server's), keeps none: a long-lived pool's list would grow with every call."""
     target, drafter = world
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=2, max_len=MAX_LEN, max_batch=4)
     alone = eagle3_jax.Engine(target, max_len=MAX_LEN)
@@ -74,7 +76,7 @@ def test_requests_submitted_while_it_runs_equal_their_outputs_alone(world):
             assert sum(e.drafted for e in c.events) >= sum(e.accepted for e in c.events)
         assert pool.running == 0 and pool.waiting == 0
         assert pool.draft_tokens > 0 and pool.draft_tokens >= pool.accepted_tokens
-        assert pool._events is None  # a pool given no events list (the server's) keeps none: it would grow per call
+        assert pool._events is None
     finally:
         pool.close()
 

@@ -5,6 +5,7 @@ wrong samplers, rows that behave (greedy rows in mixed batches, seeds), the edge
 recompilation when settings change."""
 
 import functools
+import itertools
 import re
 
 import jax
@@ -353,7 +354,7 @@ def test_new_settings_never_recompile_and_one_transfer_per_call(world, proposal,
     """Settings are data: new temperatures, top_k, top_p and seeds (None among them) compile nothing, and each call
     is one transfer of its tokens. The seeds drawn for seed None come from a counter here: a row's rounds decide
     when it finishes, and so the row buckets of the calls after (the transfers' shapes) must not change per run."""
-    seeds = iter(range(1000, 2000))
+    seeds = itertools.count(1000)
     monkeypatch.setattr(request_lib.secrets, "randbits", lambda bits: next(seeds))
     target, drafter = world["random"]
     engine = eagle3_jax.Engine(target, drafter, num_draft_tokens=3, max_len=64, proposal=proposal,
